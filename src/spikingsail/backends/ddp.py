@@ -1,0 +1,52 @@
+"""DistributedDataParallel: every rank holds the whole model; gradients are all-reduced."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from spikingsail.backends.base import Backend
+from spikingsail.backends.process_group import join_process_group, leave_process_group, select_device
+from spikingsail.config.schema import SailConfig
+from spikingsail.environments import RankInfo
+
+
+class DDPBackend(Backend):
+    name = "ddp"
+
+    def __init__(self, config: SailConfig, rank_info: RankInfo) -> None:
+        super().__init__(config, rank_info)
+        self.ddp: DistributedDataParallel | None = None
+        self._owns_group = False
+
+    def setup(self) -> torch.device:
+        self.device = select_device(self.rank_info)
+        self._owns_group = join_process_group(self.config, self.rank_info, self.device)
+        return self.device
+
+    def wrap(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        if not self.rank_info.distributed:
+            return model, optimizer
+        device = next(model.parameters()).device
+        self.ddp = DistributedDataParallel(
+            model,
+            device_ids=[device] if device.type == "cuda" else None,
+            find_unused_parameters=self.config.sail.find_unused_parameters,
+        )
+        return self.ddp, optimizer
+
+    def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager[None]:
+        # DDP decides at forward time whether the following backward all-reduces, so the
+        # engine enters this context around the forward of every micro-step.
+        if self.ddp is None or enabled:
+            return contextlib.nullcontext()
+        return self.ddp.no_sync()
+
+    def teardown(self) -> None:
+        if self._owns_group:
+            leave_process_group()
+            self._owns_group = False

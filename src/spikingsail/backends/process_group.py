@@ -1,0 +1,74 @@
+"""Joining and leaving the default torch.distributed process group."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch
+import torch.distributed as dist
+
+from spikingsail.config.schema import SailConfig
+from spikingsail.environments import RankInfo
+from spikingsail.errors import BackendError
+
+log = logging.getLogger(__name__)
+
+
+def select_device(rank_info: RankInfo) -> torch.device:
+    """One GPU per process chosen by local rank when CUDA is present, the CPU otherwise."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if rank_info.local_rank >= count:
+        raise BackendError(
+            f"local rank {rank_info.local_rank} needs GPU {rank_info.local_rank}, but this node shows {count}",
+            "each process on a node uses the GPU with its local rank",
+            "start at most as many processes per node as GPUs (--nproc-per-node), or check CUDA_VISIBLE_DEVICES",
+        )
+    device = torch.device("cuda", rank_info.local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def dist_backend_for(config: SailConfig, device: torch.device) -> str:
+    wanted = config.sail.dist_backend
+    if wanted == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if wanted == "nccl" and device.type != "cuda":
+        raise BackendError(
+            f"{config.source}: sail.dist_backend is nccl but no GPU is visible",
+            "NCCL only moves tensors between GPUs",
+            "use dist_backend auto or gloo on CPU machines",
+        )
+    return wanted
+
+
+def join_process_group(config: SailConfig, rank_info: RankInfo, device: torch.device) -> bool:
+    """Create the default group; False when it already existed (created by the user) or is not needed."""
+    if not rank_info.distributed or dist.is_initialized():
+        return False
+    backend = dist_backend_for(config, device)
+    log.debug("joining %s process group at %s as rank %d", backend, rank_info.init_method(), rank_info.rank)
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method=rank_info.init_method(),
+            rank=rank_info.rank,
+            world_size=rank_info.world_size,
+            timeout=datetime.timedelta(minutes=config.sail.timeout_minutes),
+            device_id=device if device.type == "cuda" else None,
+        )
+    except (RuntimeError, ValueError) as err:
+        raise BackendError(
+            f"rank {rank_info.rank} could not join the {backend} process group at {rank_info.init_method()}",
+            str(err).splitlines()[0] if str(err) else type(err).__name__,
+            "check that MASTER_ADDR resolves and MASTER_PORT is reachable from every node "
+            "(`sail doctor -H hostfile` checks both)",
+        ) from err
+    return True
+
+
+def leave_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,45 @@
+"""``sail``: one command with subcommands; each subcommand is a small module with ``run(argv)``."""
+
+from __future__ import annotations
+
+import sys
+
+from spikingsail import __version__
+from spikingsail.errors import SailError
+from spikingsail.monitor.logs import configure_logging
+
+_USAGE = f"""usage: sail <command> [options]
+
+SpikingSail {__version__}: distributed training of conventional and spiking PyTorch networks.
+
+commands:
+  launch     start a training script on this machine under torchrun (sail launch -n 2 train.py ...)
+
+Run `sail <command> --help` for a command's options.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_USAGE, end="")
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"sail {__version__}")
+        return 0
+    command, rest = argv[0], argv[1:]
+    configure_logging()
+    try:
+        if command == "launch":
+            from spikingsail.cli import launch
+
+            return launch.run(rest)
+    except SailError as err:
+        print(f"sail {command}: {err}", file=sys.stderr)
+        return 2
+    print(f"sail: unknown command {command!r}\n\n{_USAGE}", file=sys.stderr, end="")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

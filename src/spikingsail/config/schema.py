@@ -1,0 +1,102 @@
+"""Typed training config: DeepSpeed's keys with DeepSpeed's meaning, plus a ``sail`` section of our own.
+
+Each section is a frozen dataclass whose fields are the keys it accepts; ``spikingsail.config.parse``
+builds them from JSON and is the only place that validates user input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class FP16Config:
+    enabled: bool = False
+    """Mixed precision with float16 autocast and loss scaling."""
+    loss_scale: float = 0.0
+    """0 selects dynamic loss scaling; any other value is a static scale."""
+    initial_scale_power: int = 16
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """Steps without overflow before the dynamic scale doubles."""
+    hysteresis: int = 2
+    """Overflows tolerated before the dynamic scale halves."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis budget after every step without overflow."""
+    min_loss_scale: float = 1.0
+    """The dynamic scale never drops below this."""
+    auto_cast: bool = False
+    """Accepted for DeepSpeed compatibility; the forward always runs under autocast."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class BF16Config:
+    enabled: bool = False
+    """Mixed precision with bfloat16 autocast (no loss scaling needed)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class OptimizerConfig:
+    type: str
+    """Optimizer name, case-insensitive: Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the optimizer (lr, betas, weight_decay, ...)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SchedulerConfig:
+    type: str
+    """WarmupLR, WarmupDecayLR, WarmupCosineLR or OneCycle (DeepSpeed's definitions)."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the scheduler."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ZeroConfig:
+    stage: int = 0
+    """0 = off, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The other DeepSpeed ``zero_optimization`` keys, kept for backends that shard."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SailSection:
+    backend: str = "ddp"
+    """Which engine backend runs the job (see ``spikingsail.backends.available()``)."""
+    dist_backend: str = "auto"
+    """torch.distributed backend: auto (nccl with CUDA, gloo otherwise), nccl or gloo."""
+    seed: int | None = None
+    """Seed python, numpy and torch on every rank before the model is wrapped."""
+    progress_bar: bool = True
+    """Show a progress bar with loss and samples/s on rank 0."""
+    metrics_path: str | None = None
+    """Append one JSON line per optimizer step (rank 0) to this file."""
+    timeout_minutes: float = 30.0
+    """How long collectives wait before the process group gives up."""
+    find_unused_parameters: bool = False
+    """Passed to DistributedDataParallel for models with branches not used every step."""
+    move_inputs_to_device: bool = True
+    """Move tensors passed to ``engine(...)`` onto the engine's device."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SailConfig:
+    """A validated config with the batch-size triple resolved for one world size."""
+
+    train_batch_size: int
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+    world_size: int
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    fp16: FP16Config = field(default_factory=FP16Config)
+    bf16: BF16Config = field(default_factory=BF16Config)
+    gradient_clipping: float = 0.0
+    steps_per_print: int = 10
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    sail: SailSection = field(default_factory=SailSection)
+    inert_keys: tuple[str, ...] = ()
+    """DeepSpeed keys present in the file that SpikingSail accepts but does not act on."""
+    source: str = "<dict>"
+    """Where the config came from, for messages."""

@@ -1,0 +1,1 @@
+"""Data loading: per-rank shards, and the bundled real data set."""

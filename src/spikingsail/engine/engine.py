@@ -1,0 +1,247 @@
+"""The training engine: ``loss = engine(batch); engine.backward(loss); engine.step()``.
+
+It keeps DeepSpeed's bookkeeping — ``micro_steps`` counts every ``step()`` call, an optimizer step
+happens on accumulation boundaries only and increments ``global_steps`` — and delegates all
+parallelism to a ``Backend``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from spikingsail.backends.base import Backend
+from spikingsail.config.schema import SailConfig
+from spikingsail.data.loader import ShardedLoader
+from spikingsail.engine.precision import select_precision
+from spikingsail.environments import RankInfo
+from spikingsail.errors import ConfigError
+from spikingsail.monitor.steps import StepMonitor, StepRecord
+from spikingsail.optim.optimizers import build_optimizer
+from spikingsail.optim.schedulers import build_scheduler
+
+log = logging.getLogger(__name__)
+
+LRScheduler = Any  # torch LRScheduler or one of spikingsail.optim.schedulers: anything with step()
+
+
+class Engine:
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        config: SailConfig,
+        rank_info: RankInfo,
+        backend: Backend,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: LRScheduler | None = None,
+    ) -> None:
+        self.config = config
+        self.rank_info = rank_info
+        self.backend = backend
+        if config.sail.seed is not None:
+            seed_everything(config.sail.seed)
+        self.device = backend.setup()
+        self.module = model.to(self.device)
+        optimizer = optimizer or self._optimizer_from_config(model)
+        self.precision = select_precision(config, self.device)
+        self.wrapped_module, self.optimizer = backend.wrap(self.module, optimizer)
+        self.lr_scheduler = lr_scheduler
+        if lr_scheduler is None and config.scheduler is not None:
+            self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer, config.source)
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._window_loss: torch.Tensor | None = None
+        self.monitor = StepMonitor(
+            enabled=rank_info.is_rank_zero,
+            steps_per_print=config.steps_per_print,
+            progress_bar=config.sail.progress_bar,
+            metrics_path=config.sail.metrics_path,
+        )
+        log.info(
+            "engine ready: backend %s on %s, world size %d, micro batch %d × accumulation %d × %d ranks = %d, %s",
+            backend.name, self.device, rank_info.world_size, config.train_micro_batch_size_per_gpu,
+            config.gradient_accumulation_steps, rank_info.world_size, config.train_batch_size, self.precision.name,
+        )
+
+    def _optimizer_from_config(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        if self.config.optimizer is None:
+            raise ConfigError(
+                f"{self.config.source}: no optimizer",
+                "the engine steps an optimizer, and neither the call nor the config provides one",
+                'pass optimizer= to SpikingSail/initialize, or add "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}',
+            )
+        return build_optimizer(self.config.optimizer, model.parameters(), self.config.source)
+
+    # -- the training step -------------------------------------------------------------------
+
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.forward(*inputs, **kwargs)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.config.sail.move_inputs_to_device:
+            inputs, kwargs = _to_device((inputs, kwargs), self.device)
+        sync = self.is_gradient_accumulation_boundary() or not torch.is_grad_enabled()
+        with self.backend.gradient_sync(sync), self.precision.autocast():
+            return self.wrapped_module(*inputs, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` averaged over the accumulation window (and scaled for fp16)."""
+        if self.config.gradient_accumulation_steps > 1:
+            loss = loss / self.config.gradient_accumulation_steps
+        detached = loss.detach().float()
+        self._window_loss = detached if self._window_loss is None else self._window_loss + detached
+        self.precision.scale_loss(loss).backward()
+
+    def step(self) -> None:
+        """End a micro-step; on an accumulation boundary, update the weights."""
+        if self.is_gradient_accumulation_boundary():
+            self._optimizer_step()
+        self.micro_steps += 1
+
+    def _optimizer_step(self) -> None:
+        overflow = self.precision.unscale_(self.optimizer)
+        if not overflow:
+            if self.config.gradient_clipping > 0:
+                self.backend.clip_grad_norm_(self._parameters(), self.config.gradient_clipping)
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.precision.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+            log.warning("fp16 overflow: step %d skipped, loss scale now %g", self.global_steps,
+                        self.precision.loss_scale)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_steps += 1
+        self.global_samples += self.config.train_batch_size
+        self.monitor.on_step(
+            StepRecord(
+                step=self.global_steps,
+                loss=self._window_loss,
+                samples=self.config.train_batch_size,
+                lr=self.get_lr()[0],
+                loss_scale=self.precision.loss_scale,
+                skipped=overflow,
+            )
+        )
+        self._window_loss = None
+
+    def _parameters(self) -> Iterator[torch.nn.Parameter]:
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    # -- DeepSpeed-compatible accessors --------------------------------------------------------
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def get_lr(self) -> list[float]:
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.precision.loss_scale
+
+    @property
+    def rank(self) -> int:
+        return self.rank_info.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank_info.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.rank_info.world_size
+
+    def train(self, mode: bool = True) -> Engine:
+        self.wrapped_module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    # -- data and lifetime ---------------------------------------------------------------------
+
+    def dataloader(
+        self,
+        dataset: Dataset[Any],
+        *,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        pad: bool = True,
+        batch_size: int | None = None,
+        seed: int | None = None,
+        pin_memory: bool | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        **loader_kwargs: Any,
+    ) -> ShardedLoader:
+        """This rank's shard of ``dataset`` in micro batches; the epoch advances on every full pass.
+
+        ``pad=False`` (for evaluation) gives every sample to exactly one rank instead of repeating
+        samples to even out the shards.
+        """
+        return ShardedLoader(
+            dataset,
+            batch_size=batch_size or self.config.train_micro_batch_size_per_gpu,
+            rank=self.rank,
+            world_size=self.world_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            pad=pad,
+            seed=seed if seed is not None else (self.config.sail.seed or 0),
+            pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory,
+            collate_fn=collate_fn,
+            **loader_kwargs,
+        )
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over all ranks (a copy; the input is left as it was)."""
+        return self.backend.all_reduce_sum(tensor)
+
+    def close(self) -> None:
+        """Close the progress bar and metrics file and leave the process group the engine joined."""
+        self.monitor.close()
+        self.backend.teardown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple):
+        return tuple(_to_device(o, device) for o in obj)
+    if isinstance(obj, list):
+        return [_to_device(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,136 @@
+"""Entry points: ``SpikingSail(args, model, optimizer).run()``, ``initialize(...)`` and the CLI flags.
+
+This is the boundary where the environment and the config are read and validated, in that
+order, before any process group is created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spikingsail.backends import backend_class
+from spikingsail.config.parse import load_config
+from spikingsail.config.schema import SailConfig
+from spikingsail.engine.engine import Engine, LRScheduler
+from spikingsail.environments import RankInfo, discover_rank_info
+from spikingsail.errors import ConfigError
+from spikingsail.monitor.logs import ensure_logging
+
+log = logging.getLogger(__name__)
+
+ConfigSource = str | Path | dict[str, Any] | None
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add SpikingSail's flags, DeepSpeed's spellings of them and the legacy ``--local_rank``."""
+    group = parser.add_argument_group("SpikingSail")
+    group.add_argument("--sail-config", "--sail_config", dest="sail_config", metavar="PATH",
+                       help="training config (DeepSpeed-format JSON)")
+    group.add_argument("--deepspeed", action="store_true", help="accepted for DeepSpeed scripts")
+    group.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", metavar="PATH",
+                       help="DeepSpeed's name for --sail-config")
+    # torch.distributed.launch appends --local-rank=N (--local_rank before torch 2.0); scripts
+    # written for it often declare the flag themselves, so only add it when it is missing.
+    if not any(s in parser._option_string_actions for s in ("--local_rank", "--local-rank")):
+        group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
+                           help=argparse.SUPPRESS)
+    return parser
+
+
+class SpikingSail:
+    """Seed 000's entry point: ``engine, optimizer = SpikingSail(args, model, optimizer).run()``."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace | None,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        lr_scheduler: LRScheduler | None = None,
+        config: ConfigSource = None,
+    ) -> None:
+        self.args = args
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.config = config
+
+    def run(self) -> tuple[Engine, torch.optim.Optimizer]:
+        source = _config_from_args(self.args, self.config)
+        local_rank = getattr(self.args, "local_rank", None)
+        return initialize(
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            config=source,
+            local_rank=local_rank if local_rank is None or local_rank >= 0 else None,
+        )
+
+
+def initialize(
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    config: ConfigSource = None,
+    lr_scheduler: LRScheduler | None = None,
+    local_rank: int | None = None,
+    rank_info: RankInfo | None = None,
+) -> tuple[Engine, torch.optim.Optimizer]:
+    """Build the engine; returns ``(engine, optimizer)`` with the optimizer as the backend wrapped it."""
+    rank_info = rank_info or discover_rank_info(local_rank_arg=local_rank)
+    ensure_logging(rank_info.rank)
+    sail_config = load_config(config, rank_info.world_size)
+    backend_cls = backend_class(sail_config.sail.backend, sail_config.source)
+    if rank_info.is_rank_zero:
+        _report_unused(sail_config, backend_cls.name, backend_cls.honoured_deepspeed_keys,
+                       backend_cls.max_zero_stage)
+    engine = Engine(
+        model=model,
+        config=sail_config,
+        rank_info=rank_info,
+        backend=backend_cls(sail_config, rank_info),
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+    )
+    return engine, engine.optimizer
+
+
+def _config_from_args(args: argparse.Namespace | None, config: ConfigSource) -> ConfigSource:
+    paths = {p for p in (getattr(args, "sail_config", None), getattr(args, "deepspeed_config", None)) if p}
+    if len(paths) > 1:
+        raise ConfigError(
+            f"--sail-config and --deepspeed_config name different files: {', '.join(sorted(paths))}",
+            fix="pass one of them",
+        )
+    if paths and config is not None:
+        raise ConfigError(
+            f"a config was passed both on the command line ({paths.pop()}) and as config=",
+            fix="drop one of them",
+        )
+    if paths:
+        return paths.pop()
+    if config is None and getattr(args, "deepspeed", False):
+        raise ConfigError(
+            "--deepspeed was given without a config file",
+            fix="add --deepspeed_config ds_config.json (or --sail-config)",
+        )
+    return config
+
+
+def _report_unused(config: SailConfig, backend: str, honoured: frozenset[str], max_stage: int) -> None:
+    for key in config.inert_keys:
+        if key not in honoured:
+            log.warning("%s: '%s' is accepted for DeepSpeed compatibility but has no effect with backend %s",
+                        config.source, key, backend)
+    stage = config.zero_optimization.stage
+    if stage > max_stage:
+        log.warning(
+            "%s: zero_optimization.stage %d has no effect with backend %s: every rank keeps the full "
+            "optimizer state and gradients. Set \"sail\": {\"backend\": ...} to a backend that shards "
+            "to save memory.", config.source, stage, backend,
+        )

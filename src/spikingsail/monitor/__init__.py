@@ -1,0 +1,1 @@
+"""Progress, logs and per-step metrics of a training run."""

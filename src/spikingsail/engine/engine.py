@@ -49,6 +49,9 @@ class Engine:
             seed_everything(config.sail.seed)
         self.device = backend.setup()
         self.module = model.to(self.device)
+        if optimizer is not None and config.optimizer is not None:
+            log.warning("%s: the optimizer passed to the engine is used; the config's optimizer section (%s) "
+                        "is ignored", config.source, config.optimizer.type)
         optimizer = optimizer or self._optimizer_from_config(model)
         self.precision = select_precision(config, self.device)
         self.wrapped_module, self.optimizer = backend.wrap(self.module, optimizer)

@@ -1,0 +1,29 @@
+"""Hygiene for every test: no leaked environment variables, no process group left behind."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+
+# pytest's own marker, and torch's inductor cache path, which torch exports once per process the
+# first time an optimizer step consults it.
+_SET_BY_OTHERS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+
+
+@pytest.fixture(autouse=True)
+def _clean_process_state() -> Iterator[None]:
+    before = dict(os.environ)
+    yield
+    leaked = {k for k in set(os.environ) ^ set(before)} | {k for k in before if os.environ.get(k) != before[k]}
+    leaked -= _SET_BY_OTHERS
+    os.environ.clear()
+    os.environ.update(before)
+    group_left = dist.is_initialized()
+    if group_left:
+        dist.destroy_process_group()
+    assert not leaked, f"test changed environment variables: {sorted(leaked)}"
+    assert not group_left, "test left a torch.distributed process group initialised"

@@ -9,9 +9,9 @@ import pytest
 import torch.distributed as dist
 
 
-# pytest's own marker, and torch's inductor cache path, which torch exports once per process the
-# first time an optimizer step consults it.
-_SET_BY_OTHERS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+# Set by others once per process: pytest's marker, torch's inductor cache path (exported the first
+# time an optimizer step consults it) and OpenMP switches scikit-learn exports when imported.
+_SET_BY_OTHERS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,145 @@
+"""Config validation: every mistake gets a message that names the key and the fix."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spikingsail.config import load_config
+from spikingsail.engine.initialize import _report_unused
+from spikingsail.errors import ConfigError
+
+MICRO = {"train_micro_batch_size_per_gpu": 4}
+
+
+def error(config: Any, world_size: int = 1) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(config, world_size)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("given", "world", "expected"),
+    [
+        ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2, (4, 4, 32)),
+        ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4, (4, 2, 32)),
+        ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 2, (4, 3, 24)),
+        ({"train_batch_size": 16}, 4, (4, 1, 16)),
+        ({"train_micro_batch_size_per_gpu": 8}, 3, (8, 1, 24)),
+        ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 4,
+         (2, 3, 24)),
+    ],
+)
+def test_any_two_batch_keys_imply_the_third(given: dict[str, int], world: int, expected: tuple[int, ...]) -> None:
+    config = load_config(given, world)
+    assert (config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps,
+            config.train_batch_size) == expected
+
+
+def test_inconsistent_batch_sizes_spell_out_the_identity() -> None:
+    message = error({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4,
+                     "gradient_accumulation_steps": 2}, world_size=4)
+    assert "train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps × world_size" in message
+    assert "4 × 2 × 4 = 32 ≠ 30" in message
+
+
+def test_train_batch_size_not_divisible_by_world_size() -> None:
+    message = error({"train_batch_size": 10}, world_size=4)
+    assert "world_size 4" in message and "≠ 10" in message
+
+
+def test_no_batch_size_at_all() -> None:
+    assert "neither 'train_batch_size' nor 'train_micro_batch_size_per_gpu'" in error({})
+
+
+def test_unknown_key_lists_valid_ones_and_suggests() -> None:
+    message = error({**MICRO, "gradient_clip": 1.0})
+    assert "unknown key 'gradient_clip'" in message
+    assert "did you mean 'gradient_clipping'?" in message
+    assert "train_micro_batch_size_per_gpu" in message
+
+
+def test_unknown_key_inside_a_section() -> None:
+    message = error({**MICRO, "fp16": {"enabled": True, "loss_scale_windw": 100}})
+    assert "unknown key 'loss_scale_windw' in 'fp16'" in message and "loss_scale_window" in message
+
+
+def test_wrong_type_names_the_key() -> None:
+    assert "'fp16.enabled' must be bool" in error({**MICRO, "fp16": {"enabled": "yes"}})
+    assert "'train_micro_batch_size_per_gpu' must be int" in error({"train_micro_batch_size_per_gpu": 2.5})
+
+
+def test_unknown_optimizer() -> None:
+    message = error({**MICRO, "optimizer": {"type": "Lamb", "params": {}}})
+    assert "optimizer.type 'Lamb' is not supported" in message and "AdamW" in message
+
+
+def test_unknown_optimizer_param() -> None:
+    message = error({**MICRO, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "betas": [0.9, 0.99]}}})
+    assert "'betas', which SGD does not take" in message and "momentum" in message
+
+
+def test_optimizer_needs_a_type() -> None:
+    assert "'optimizer' needs the key 'type'" in error({**MICRO, "optimizer": {"params": {"lr": 1}}})
+
+
+def test_fp16_and_bf16_together() -> None:
+    assert "fp16.enabled and bf16.enabled are both true" in error(
+        {**MICRO, "fp16": {"enabled": True}, "bf16": {"enabled": True}}
+    )
+
+
+def test_scheduler_checks() -> None:
+    assert "scheduler.type 'Cosine' is not supported" in error({**MICRO, "scheduler": {"type": "Cosine"}})
+    assert "WarmupDecayLR needs scheduler.params.total_num_steps" in error(
+        {**MICRO, "scheduler": {"type": "WarmupDecayLR", "params": {}}}
+    )
+    assert "'warmup_steps', which WarmupLR does not take" in error(
+        {**MICRO, "scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 3}}}
+    )
+
+
+def test_zero_optimization_forms() -> None:
+    assert load_config({**MICRO, "zero_optimization": True}, 1).zero_optimization.stage == 1
+    assert load_config({**MICRO, "zero_optimization": False}, 1).zero_optimization.stage == 0
+    zero = load_config({**MICRO, "zero_optimization": {"stage": 2, "overlap_comm": True}}, 1).zero_optimization
+    assert (zero.stage, zero.options) == (2, {"overlap_comm": True})
+    assert "ZeRO has stages 0 (off), 1, 2 and 3" in error({**MICRO, "zero_optimization": {"stage": 4}})
+    assert "unknown key 'stages'" in error({**MICRO, "zero_optimization": {"stages": 1}})
+
+
+def test_bad_json_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text('{\n  "train_batch_size": 8,\n  "fp16": {"enabled": true},\n}\n')
+    message = error(path)
+    assert f"{path}:4:1: not valid JSON" in message
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    assert "does not exist" in error(tmp_path / "nope.json")
+
+
+def test_messages_name_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**MICRO, "optimiser": {}}))
+    assert error(path).startswith(f"{path}: unknown key 'optimiser'")
+
+
+def test_deepspeed_keys_without_effect_warn(caplog: pytest.LogCaptureFixture) -> None:
+    config = load_config({**MICRO, "wall_clock_breakdown": False, "zero_optimization": {"stage": 2}}, 1)
+    with caplog.at_level(logging.WARNING):
+        _report_unused(config, "ddp", frozenset(), 0)
+    text = caplog.text
+    assert "'wall_clock_breakdown' is accepted for DeepSpeed compatibility but has no effect with backend ddp" in text
+    assert "zero_optimization.stage 2 has no effect with backend ddp" in text
+
+
+def test_seed_000_config_loads() -> None:
+    path = Path(__file__).parents[2] / "examples" / "seed000" / "ds_config.json"
+    config = load_config(path, 2)
+    assert (config.train_batch_size, config.train_micro_batch_size_per_gpu) == (8, 4)
+    assert config.fp16.enabled and config.zero_optimization.stage == 1

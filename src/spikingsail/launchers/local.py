@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch.distributed.run import get_args_parser
 
@@ -44,6 +45,13 @@ def parser() -> argparse.ArgumentParser:
 
 def parse_launch(argv: list[str]) -> LocalLaunch:
     namespace = parser().parse_args(argv)
+    script = Path(namespace.training_script)
+    if not (namespace.module or namespace.no_python or script.is_file()):
+        raise LaunchError(
+            f"training script {script} does not exist",
+            f"it is resolved from the current directory, {Path.cwd()}",
+            "check the path, or pass -m to run a module",
+        )
     split = _script_index(argv, namespace.training_script, namespace.training_script_args)
     head = _without_own_flags(argv[:split])
     if "-n" in argv[:split] or any(a.startswith("-n") and a[2:].isdigit() for a in argv[:split]):

@@ -1,7 +1,7 @@
 """The main job: a small CNN on scikit-learn's bundled digits images, trained with the engine API only.
 
-    sail launch -n 2 examples/train_digits.py                  # 2 processes on this machine
-    sail launch -n 2 examples/train_digits.py --epochs 5 --sail-config my.json
+sail launch -n 2 examples/train_digits.py                  # 2 processes on this machine
+sail launch -n 2 examples/train_digits.py --epochs 5 --sail-config my.json
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ class DigitsNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
             nn.MaxPool2d(2),
         )
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
@@ -47,7 +49,9 @@ def evaluate(engine: spikingsail.Engine, dataset: torch.utils.data.Dataset) -> f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--epochs", type=int, default=20)
     parser = spikingsail.add_config_arguments(parser)
     args = parser.parse_args()
@@ -66,7 +70,10 @@ def main() -> None:
             print(f"epoch {epoch + 1}: loss {loss.item():.4f}", flush=True)
     accuracy = evaluate(engine, test_set)
     if engine.rank == 0:
-        print(f"test accuracy: {accuracy:.4f} ({len(test_set)} images, {engine.world_size} processes)", flush=True)
+        print(
+            f"test accuracy: {accuracy:.4f} ({len(test_set)} images, {engine.world_size} processes)",
+            flush=True,
+        )
     engine.close()
 
 

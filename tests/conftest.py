@@ -8,17 +8,23 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 
-
 # Set by others once per process: pytest's marker, torch's inductor cache path (exported the first
 # time an optimizer step consults it) and OpenMP switches scikit-learn exports when imported.
-_SET_BY_OTHERS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
+_SET_BY_OTHERS = {
+    "PYTEST_CURRENT_TEST",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "KMP_DUPLICATE_LIB_OK",
+    "KMP_INIT_AT_FORK",
+}
 
 
 @pytest.fixture(autouse=True)
 def _clean_process_state() -> Iterator[None]:
     before = dict(os.environ)
     yield
-    leaked = {k for k in set(os.environ) ^ set(before)} | {k for k in before if os.environ.get(k) != before[k]}
+    leaked = {k for k in set(os.environ) ^ set(before)} | {
+        k for k in before if os.environ.get(k) != before[k]
+    }
     leaked -= _SET_BY_OTHERS
     os.environ.clear()
     os.environ.update(before)

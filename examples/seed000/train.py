@@ -49,8 +49,11 @@ def main() -> None:
             # weight update
             model_engine.step()
     if model_engine.rank == 0:
-        print(f"finished {model_engine.global_steps} steps, last loss {loss.item():.4f}, "
-              f"loss scale {model_engine.loss_scale:g}", flush=True)
+        print(
+            f"finished {model_engine.global_steps} steps, last loss {loss.item():.4f}, "
+            f"loss scale {model_engine.loss_scale:g}",
+            flush=True,
+        )
     model_engine.close()
 
 

@@ -1,12 +1,12 @@
 """SpikingSail: distributed training of conventional and spiking PyTorch networks.
 
-    parser = spikingsail.add_config_arguments(parser)
-    args = parser.parse_args()
-    engine, optimizer = spikingsail.SpikingSail(args, model, optimizer).run()
-    for batch in engine.dataloader(dataset):
-        loss = engine(batch)
-        engine.backward(loss)
-        engine.step()
+parser = spikingsail.add_config_arguments(parser)
+args = parser.parse_args()
+engine, optimizer = spikingsail.SpikingSail(args, model, optimizer).run()
+for batch in engine.dataloader(dataset):
+    loss = engine(batch)
+    engine.backward(loss)
+    engine.step()
 """
 
 from spikingsail.config import SailConfig, load_config

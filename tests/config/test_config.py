@@ -30,20 +30,33 @@ def error(config: Any, world_size: int = 1) -> str:
         ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 2, (4, 3, 24)),
         ({"train_batch_size": 16}, 4, (4, 1, 16)),
         ({"train_micro_batch_size_per_gpu": 8}, 3, (8, 1, 24)),
-        ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 4,
-         (2, 3, 24)),
+        (
+            {"train_batch_size": 24, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3},
+            4,
+            (2, 3, 24),
+        ),
     ],
 )
-def test_any_two_batch_keys_imply_the_third(given: dict[str, int], world: int, expected: tuple[int, ...]) -> None:
+def test_any_two_batch_keys_imply_the_third(
+    given: dict[str, int], world: int, expected: tuple[int, ...]
+) -> None:
     config = load_config(given, world)
-    assert (config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps,
-            config.train_batch_size) == expected
+    assert (
+        config.train_micro_batch_size_per_gpu,
+        config.gradient_accumulation_steps,
+        config.train_batch_size,
+    ) == expected
 
 
 def test_inconsistent_batch_sizes_spell_out_the_identity() -> None:
-    message = error({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4,
-                     "gradient_accumulation_steps": 2}, world_size=4)
-    assert "train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps × world_size" in message
+    message = error(
+        {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+        world_size=4,
+    )
+    assert (
+        "train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps × world_size"
+        in message
+    )
     assert "4 × 2 × 4 = 32 ≠ 30" in message
 
 
@@ -106,7 +119,9 @@ def test_scheduler_checks() -> None:
 def test_zero_optimization_forms() -> None:
     assert load_config({**MICRO, "zero_optimization": True}, 1).zero_optimization.stage == 1
     assert load_config({**MICRO, "zero_optimization": False}, 1).zero_optimization.stage == 0
-    zero = load_config({**MICRO, "zero_optimization": {"stage": 2, "overlap_comm": True}}, 1).zero_optimization
+    zero = load_config(
+        {**MICRO, "zero_optimization": {"stage": 2, "overlap_comm": True}}, 1
+    ).zero_optimization
     assert (zero.stage, zero.options) == (2, {"overlap_comm": True})
     assert "ZeRO has stages 0 (off), 1, 2 and 3" in error({**MICRO, "zero_optimization": {"stage": 4}})
     assert "unknown key 'stages'" in error({**MICRO, "zero_optimization": {"stages": 1}})
@@ -134,7 +149,10 @@ def test_deepspeed_keys_without_effect_warn(caplog: pytest.LogCaptureFixture) ->
     with caplog.at_level(logging.WARNING):
         _report_unused(config, "ddp", frozenset(), 0)
     text = caplog.text
-    assert "'wall_clock_breakdown' is accepted for DeepSpeed compatibility but has no effect with backend ddp" in text
+    assert (
+        "'wall_clock_breakdown' is accepted for DeepSpeed compatibility but has no effect with backend ddp"
+        in text
+    )
     assert "zero_optimization.stage 2 has no effect with backend ddp" in text
 
 

@@ -15,8 +15,15 @@ from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
-SINGLE = RankInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, master_addr=None,
-                  master_port=None, source="single")
+SINGLE = RankInfo(
+    rank=0,
+    local_rank=0,
+    world_size=1,
+    local_world_size=1,
+    master_addr=None,
+    master_port=None,
+    source="single",
+)
 STEPS = 6
 
 
@@ -58,9 +65,9 @@ def train(cfg: dict[str, Any], rank_info: RankInfo | None = None) -> dict[str, t
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    for key in a:
+    for key, value in a.items():
         # Only the summation order differs (all-reduce vs one batch): float32 round-off, no more.
-        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(value, b[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 @pytest.mark.parametrize(("micro", "accumulation"), [(4, 1), (4, 2)])

@@ -12,8 +12,15 @@ import torch.nn.functional as F
 import spikingsail
 from spikingsail.environments import RankInfo
 
-SINGLE = RankInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, master_addr=None,
-                  master_port=None, source="single")
+SINGLE = RankInfo(
+    rank=0,
+    local_rank=0,
+    world_size=1,
+    local_world_size=1,
+    master_addr=None,
+    master_port=None,
+    source="single",
+)
 
 
 def engine_for(config: dict[str, Any], **kwargs: Any) -> spikingsail.Engine:
@@ -40,10 +47,21 @@ def test_world_size_one_needs_no_process_group() -> None:
 
 
 def test_accumulation_boundaries_and_counters() -> None:
-    engine = engine_for({"gradient_accumulation_steps": 3, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-                         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.11,
-                                                                      "warmup_num_steps": 10,
-                                                                      "warmup_type": "linear"}}})
+    engine = engine_for(
+        {
+            "gradient_accumulation_steps": 3,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "scheduler": {
+                "type": "WarmupLR",
+                "params": {
+                    "warmup_min_lr": 0.01,
+                    "warmup_max_lr": 0.11,
+                    "warmup_num_steps": 10,
+                    "warmup_type": "linear",
+                },
+            },
+        }
+    )
     weight = engine.module.weight
     boundaries, steps, lrs = [], [], []
     for _ in range(6):
@@ -77,7 +95,9 @@ def test_client_optimizer_wins_over_config(caplog: pytest.LogCaptureFixture) -> 
     model = torch.nn.Linear(4, 2)
     client = torch.optim.SGD(model.parameters(), lr=0.5)
     engine, optimizer = spikingsail.initialize(
-        model=model, optimizer=client, rank_info=SINGLE,
+        model=model,
+        optimizer=client,
+        rank_info=SINGLE,
         config={"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1}}},
     )
     assert optimizer is client
@@ -91,8 +111,12 @@ def test_no_optimizer_anywhere_is_a_clear_error() -> None:
 
 
 def test_fp16_trains_on_cpu_and_skips_overflowing_steps() -> None:
-    engine = engine_for({"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
-                         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine = engine_for(
+        {
+            "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        }
+    )
     micro_step(engine)
     assert engine.loss_scale == 256 and engine.skipped_steps == 0
     before = engine.module.weight.detach().clone()
@@ -109,8 +133,12 @@ def test_metrics_file_gets_one_line_per_step(tmp_path: Any) -> None:
     import json
 
     path = tmp_path / "m.jsonl"
-    engine = engine_for({"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-                         "sail": {"progress_bar": False, "metrics_path": str(path)}})
+    engine = engine_for(
+        {
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "sail": {"progress_bar": False, "metrics_path": str(path)},
+        }
+    )
     for _ in range(3):
         micro_step(engine)
     engine.close()

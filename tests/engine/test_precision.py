@@ -12,8 +12,10 @@ CPU = torch.device("cpu")
 
 
 def test_dynamic_scale_hysteresis_and_growth() -> None:
-    scaler = FP16Precision(CPU, FP16Config(enabled=True, initial_scale_power=4, loss_scale_window=3,
-                                           hysteresis=2, min_loss_scale=2))
+    scaler = FP16Precision(
+        CPU,
+        FP16Config(enabled=True, initial_scale_power=4, loss_scale_window=3, hysteresis=2, min_loss_scale=2),
+    )
     assert scaler.loss_scale == 16
     scaler.update(overflow=True)  # first overflow spends the hysteresis budget
     assert scaler.loss_scale == 16
@@ -54,10 +56,13 @@ def test_state_round_trip() -> None:
     assert b.state_dict() == a.state_dict()
 
 
-@pytest.mark.parametrize(("precision", "dtype"), [
-    (FP16Precision(CPU, FP16Config(enabled=True)), torch.float16),
-    (BF16Precision(CPU), torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    ("precision", "dtype"),
+    [
+        (FP16Precision(CPU, FP16Config(enabled=True)), torch.float16),
+        (BF16Precision(CPU), torch.bfloat16),
+    ],
+)
 def test_forward_runs_under_autocast(precision: FP16Precision, dtype: torch.dtype) -> None:
     layer = torch.nn.Linear(4, 4)
     with precision.autocast():

@@ -31,22 +31,36 @@ def test_warmup_log() -> None:
 
 
 def test_warmup_linear() -> None:
-    values = lrs(WarmupLR(optimizer(), warmup_min_lr=0.01, warmup_max_lr=0.11, warmup_num_steps=4,
-                          warmup_type="linear"), 6)
+    values = lrs(
+        WarmupLR(
+            optimizer(), warmup_min_lr=0.01, warmup_max_lr=0.11, warmup_num_steps=4, warmup_type="linear"
+        ),
+        6,
+    )
     assert values[1:6] == pytest.approx([0.01, 0.035, 0.06, 0.085, 0.11])
 
 
 def test_warmup_decay() -> None:
-    values = lrs(WarmupDecayLR(optimizer(), total_num_steps=8, warmup_max_lr=0.2, warmup_num_steps=4,
-                               warmup_type="linear"), 10)
+    values = lrs(
+        WarmupDecayLR(
+            optimizer(), total_num_steps=8, warmup_max_lr=0.2, warmup_num_steps=4, warmup_type="linear"
+        ),
+        10,
+    )
     assert values[5] == pytest.approx(0.2)  # iteration 4: warm-up done
     assert values[7] == pytest.approx(0.2 * (8 - 6) / 4)
     assert values[9] == values[10] == 0.0
 
 
 def test_one_cycle_lr_and_momentum() -> None:
-    schedule = OneCycle(optimizer(), cycle_min_lr=0.1, cycle_max_lr=1.0, cycle_first_step_size=4,
-                        decay_lr_rate=0.5, decay_step_size=2)
+    schedule = OneCycle(
+        optimizer(),
+        cycle_min_lr=0.1,
+        cycle_max_lr=1.0,
+        cycle_first_step_size=4,
+        decay_lr_rate=0.5,
+        decay_step_size=2,
+    )
     values = lrs(schedule, 12)
     assert values[1] == pytest.approx(0.1)
     assert values[3] == pytest.approx(0.1 + 0.9 * 0.5)

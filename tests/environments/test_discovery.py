@@ -8,17 +8,31 @@ from spikingsail.environments import discover_rank_info
 from spikingsail.errors import RankDiscoveryError
 
 TORCHRUN = {
-    "TORCHELASTIC_RUN_ID": "abc", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
-    "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node1", "MASTER_PORT": "29500",
+    "TORCHELASTIC_RUN_ID": "abc",
+    "RANK": "3",
+    "LOCAL_RANK": "1",
+    "WORLD_SIZE": "4",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "node1",
+    "MASTER_PORT": "29500",
 }
 SLURM = {
-    "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_NODEID": "1",
-    "SLURM_JOB_ID": "1234", "SLURM_JOB_NAME": "train", "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_PROCID": "3",
+    "SLURM_LOCALID": "1",
+    "SLURM_NTASKS": "4",
+    "SLURM_NODEID": "1",
+    "SLURM_JOB_ID": "1234",
+    "SLURM_JOB_NAME": "train",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
     "SLURM_TASKS_PER_NODE": "2(x2)",
 }
 OMPI = {
-    "OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4",
-    "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400",
+    "OMPI_COMM_WORLD_RANK": "2",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+    "OMPI_COMM_WORLD_SIZE": "4",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29400",
 }
 
 

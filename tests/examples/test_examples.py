@@ -15,8 +15,13 @@ pytestmark = pytest.mark.multiprocess
 
 
 def sail_launch(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "spikingsail.cli.main", "launch", "-n", "2", *args],
-                          capture_output=True, text=True, timeout=300, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "spikingsail.cli.main", "launch", "-n", "2", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
 
 
 def test_main_job_reaches_95_percent(tmp_path: Path) -> None:
@@ -32,8 +37,15 @@ def test_main_job_reaches_95_percent(tmp_path: Path) -> None:
 
 def test_seed_000_script_runs_as_written(tmp_path: Path) -> None:
     example = ROOT / "examples" / "seed000"
-    result = sail_launch(str(example / "train.py"), "--deepspeed", "--deepspeed_config",
-                         str(example / "ds_config.json"), "--epochs", "1", cwd=tmp_path)
+    result = sail_launch(
+        str(example / "train.py"),
+        "--deepspeed",
+        "--deepspeed_config",
+        str(example / "ds_config.json"),
+        "--epochs",
+        "1",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"finished 180 steps, last loss [0-9.]+, loss scale \d+", result.stdout), result.stdout
     assert "zero_optimization.stage 1 has no effect with backend ddp" in result.stderr

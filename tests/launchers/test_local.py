@@ -23,8 +23,20 @@ def test_n_becomes_nproc_per_node_and_single_node_is_standalone(tmp_path: Path) 
     launch = parse_launch(["-n", "2", "--max-restarts", "1", str(script), "--lr", "0.1", "-n", "7"])
     (command,) = launch.commands()
     assert command.host == "localhost"
-    assert command.argv[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                "--max-restarts", "1", str(script), "--lr", "0.1", "-n", "7"]
+    assert command.argv[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        str(script),
+        "--lr",
+        "0.1",
+        "-n",
+        "7",
+    ]
 
 
 def test_explicit_rendezvous_is_not_overridden(tmp_path: Path) -> None:
@@ -37,7 +49,7 @@ def test_explicit_rendezvous_is_not_overridden(tmp_path: Path) -> None:
 
 
 def test_missing_script_is_refused_before_anything_starts(tmp_path: Path) -> None:
-    with pytest.raises(LaunchError, match="training script .*nope.py does not exist"):
+    with pytest.raises(LaunchError, match=r"training script .*nope\.py does not exist"):
         parse_launch(["-n", "2", str(tmp_path / "nope.py")])
 
 
@@ -84,8 +96,12 @@ def test_sigterm_stops_every_worker(tmp_path: Path) -> None:
         f"pathlib.Path(r'{tmp_path}', 'pid' + os.environ['RANK']).write_text(str(os.getpid()))\n"
         "time.sleep(600)\n"
     )
-    launcher = subprocess.Popen([*SAIL, "launch", "-n", "2", str(script)], cwd=tmp_path,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    launcher = subprocess.Popen(
+        [*SAIL, "launch", "-n", "2", str(script)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     pid_files = [tmp_path / "pid0", tmp_path / "pid1"]
     deadline = time.monotonic() + 60
     while not all(p.exists() and p.read_text() for p in pid_files):

@@ -196,7 +196,7 @@ def _build(cls: type[Any], raw: Any, where: str, name: str) -> Any:
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and n not in raw
     ]
     if missing:
-        raise ConfigError(f"{where}: '{name}' needs the key '{missing[0]}'", fix=f"add \"{missing[0]}\"")
+        raise ConfigError(f"{where}: '{name}' needs the key '{missing[0]}'", fix=f'add "{missing[0]}"')
     kwargs = {k: _coerce(v, hints[k], where, f"{name}.{k}") for k, v in raw.items()}
     return cls(**kwargs)
 
@@ -232,9 +232,7 @@ def _build_zero(raw: Any, where: str) -> ZeroConfig:
     if isinstance(raw, bool):
         return ZeroConfig(stage=1 if raw else 0)
     if not isinstance(raw, dict):
-        raise ConfigError(
-            f"{where}: 'zero_optimization' must be an object or a boolean", f"found {raw!r}"
-        )
+        raise ConfigError(f"{where}: 'zero_optimization' must be an object or a boolean", f"found {raw!r}")
     _reject_unknown(raw, ZERO_KEYS, where, "'zero_optimization'")
     stage = _coerce(raw.get("stage", 0), int, where, "zero_optimization.stage")
     if stage not in (0, 1, 2, 3):
@@ -301,7 +299,9 @@ def _check_semantics(config: SailConfig) -> None:
             "use DeepSpeed's defaults: loss_scale 0, min_loss_scale 1, loss_scale_window 1000, hysteresis 2",
         )
     if config.gradient_clipping < 0:
-        raise ConfigError(f"{where}: gradient_clipping is {config.gradient_clipping}", "it must be ≥ 0 (0 = off)")
+        raise ConfigError(
+            f"{where}: gradient_clipping is {config.gradient_clipping}", "it must be ≥ 0 (0 = off)"
+        )
     if config.steps_per_print < 1:
         raise ConfigError(f"{where}: steps_per_print is {config.steps_per_print}", "it must be ≥ 1")
     if config.sail.dist_backend not in ("auto", "nccl", "gloo"):

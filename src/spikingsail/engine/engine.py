@@ -50,8 +50,12 @@ class Engine:
         self.device = backend.setup()
         self.module = model.to(self.device)
         if optimizer is not None and config.optimizer is not None:
-            log.warning("%s: the optimizer passed to the engine is used; the config's optimizer section (%s) "
-                        "is ignored", config.source, config.optimizer.type)
+            log.warning(
+                "%s: the optimizer passed to the engine is used; the config's optimizer section (%s) "
+                "is ignored",
+                config.source,
+                config.optimizer.type,
+            )
         optimizer = optimizer or self._optimizer_from_config(model)
         self.precision = select_precision(config, self.device)
         self.wrapped_module, self.optimizer = backend.wrap(self.module, optimizer)
@@ -62,17 +66,26 @@ class Engine:
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
-        self._window_loss: torch.Tensor | None = None
+        self._window_losses: list[torch.Tensor] = []
+        # Inputs already on the CPU need no move; skipping the walk keeps tiny steps cheap.
+        self._move_inputs = config.sail.move_inputs_to_device and self.device.type != "cpu"
         self.monitor = StepMonitor(
             enabled=rank_info.is_rank_zero,
+            samples_per_step=config.train_batch_size,
             steps_per_print=config.steps_per_print,
             progress_bar=config.sail.progress_bar,
             metrics_path=config.sail.metrics_path,
         )
         log.info(
             "engine ready: backend %s on %s, world size %d, micro batch %d × accumulation %d × %d ranks = %d, %s",
-            backend.name, self.device, rank_info.world_size, config.train_micro_batch_size_per_gpu,
-            config.gradient_accumulation_steps, rank_info.world_size, config.train_batch_size, self.precision.name,
+            backend.name,
+            self.device,
+            rank_info.world_size,
+            config.train_micro_batch_size_per_gpu,
+            config.gradient_accumulation_steps,
+            rank_info.world_size,
+            config.train_batch_size,
+            self.precision.name,
         )
 
     def _optimizer_from_config(self, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -90,7 +103,7 @@ class Engine:
         return self.forward(*inputs, **kwargs)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self.config.sail.move_inputs_to_device:
+        if self._move_inputs:
             inputs, kwargs = _to_device((inputs, kwargs), self.device)
         sync = self.is_gradient_accumulation_boundary() or not torch.is_grad_enabled()
         with self.backend.gradient_sync(sync), self.precision.autocast():
@@ -100,9 +113,8 @@ class Engine:
         """Backpropagate ``loss`` averaged over the accumulation window (and scaled for fp16)."""
         if self.config.gradient_accumulation_steps > 1:
             loss = loss / self.config.gradient_accumulation_steps
-        detached = loss.detach().float()
-        self._window_loss = detached if self._window_loss is None else self._window_loss + detached
-        self.precision.scale_loss(loss).backward()
+        self._window_losses.append(loss.detach())
+        torch.autograd.backward(self.precision.scale_loss(loss))
 
     def step(self) -> None:
         """End a micro-step; on an accumulation boundary, update the weights."""
@@ -121,22 +133,26 @@ class Engine:
         self.precision.update(overflow)
         if overflow:
             self.skipped_steps += 1
-            log.warning("fp16 overflow: step %d skipped, loss scale now %g", self.global_steps,
-                        self.precision.loss_scale)
+            log.warning(
+                "fp16 overflow: step %d skipped, loss scale now %g",
+                self.global_steps,
+                self.precision.loss_scale,
+            )
         self.optimizer.zero_grad(set_to_none=True)
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
-        self.monitor.on_step(
-            StepRecord(
-                step=self.global_steps,
-                loss=self._window_loss,
-                samples=self.config.train_batch_size,
-                lr=self.get_lr()[0],
-                loss_scale=self.precision.loss_scale,
-                skipped=overflow,
+        if self.monitor.wants(self.global_steps):
+            losses = self._window_losses
+            self.monitor.on_step(
+                StepRecord(
+                    step=self.global_steps,
+                    loss=torch.stack(losses).float().sum() if losses else None,
+                    lr=self.get_lr()[0],
+                    loss_scale=self.precision.loss_scale,
+                    skipped=overflow,
+                )
             )
-        )
-        self._window_loss = None
+        self._window_losses = []
 
     def _parameters(self) -> Iterator[torch.nn.Parameter]:
         for group in self.optimizer.param_groups:

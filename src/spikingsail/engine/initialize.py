@@ -29,16 +29,27 @@ ConfigSource = str | Path | dict[str, Any] | None
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add SpikingSail's flags, DeepSpeed's spellings of them and the legacy ``--local_rank``."""
     group = parser.add_argument_group("SpikingSail")
-    group.add_argument("--sail-config", "--sail_config", dest="sail_config", metavar="PATH",
-                       help="training config (DeepSpeed-format JSON)")
+    group.add_argument(
+        "--sail-config",
+        "--sail_config",
+        dest="sail_config",
+        metavar="PATH",
+        help="training config (DeepSpeed-format JSON)",
+    )
     group.add_argument("--deepspeed", action="store_true", help="accepted for DeepSpeed scripts")
-    group.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", metavar="PATH",
-                       help="DeepSpeed's name for --sail-config")
+    group.add_argument(
+        "--deepspeed_config",
+        "--deepspeed-config",
+        dest="deepspeed_config",
+        metavar="PATH",
+        help="DeepSpeed's name for --sail-config",
+    )
     # torch.distributed.launch appends --local-rank=N (--local_rank before torch 2.0); scripts
     # written for it often declare the flag themselves, so only add it when it is missing.
     if not any(s in parser._option_string_actions for s in ("--local_rank", "--local-rank")):
-        group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
-                           help=argparse.SUPPRESS)
+        group.add_argument(
+            "--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS
+        )
     return parser
 
 
@@ -87,8 +98,9 @@ def initialize(
     sail_config = load_config(config, rank_info.world_size)
     backend_cls = backend_class(sail_config.sail.backend, sail_config.source)
     if rank_info.is_rank_zero:
-        _report_unused(sail_config, backend_cls.name, backend_cls.honoured_deepspeed_keys,
-                       backend_cls.max_zero_stage)
+        _report_unused(
+            sail_config, backend_cls.name, backend_cls.honoured_deepspeed_keys, backend_cls.max_zero_stage
+        )
     engine = Engine(
         model=model,
         config=sail_config,
@@ -113,7 +125,7 @@ def _config_from_args(args: argparse.Namespace | None, config: ConfigSource) -> 
             fix="drop one of them",
         )
     if paths:
-        return paths.pop()
+        return str(paths.pop())
     if config is None and getattr(args, "deepspeed", False):
         raise ConfigError(
             "--deepspeed was given without a config file",
@@ -125,12 +137,19 @@ def _config_from_args(args: argparse.Namespace | None, config: ConfigSource) -> 
 def _report_unused(config: SailConfig, backend: str, honoured: frozenset[str], max_stage: int) -> None:
     for key in config.inert_keys:
         if key not in honoured:
-            log.warning("%s: '%s' is accepted for DeepSpeed compatibility but has no effect with backend %s",
-                        config.source, key, backend)
+            log.warning(
+                "%s: '%s' is accepted for DeepSpeed compatibility but has no effect with backend %s",
+                config.source,
+                key,
+                backend,
+            )
     stage = config.zero_optimization.stage
     if stage > max_stage:
         log.warning(
             "%s: zero_optimization.stage %d has no effect with backend %s: every rank keeps the full "
-            "optimizer state and gradients. Set \"sail\": {\"backend\": ...} to a backend that shards "
-            "to save memory.", config.source, stage, backend,
+            'optimizer state and gradients. Set "sail": {"backend": ...} to a backend that shards '
+            "to save memory.",
+            config.source,
+            stage,
+            backend,
         )

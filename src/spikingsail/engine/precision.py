@@ -9,7 +9,6 @@ min_loss_scale) or uses a static scale when ``loss_scale`` is non-zero. bf16 nee
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,13 +26,10 @@ class Precision:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.dtype is None:
-            yield
-            return
-        with torch.autocast(device_type=self.device.type, dtype=self.dtype):
-            yield
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
@@ -77,7 +73,7 @@ class FP16Precision(Precision):
     def __init__(self, device: torch.device, config: FP16Config) -> None:
         super().__init__(device)
         self.dynamic = config.loss_scale == 0
-        self.scale = 2.0 ** config.initial_scale_power if self.dynamic else config.loss_scale
+        self.scale = 2.0**config.initial_scale_power if self.dynamic else config.loss_scale
         self.window = config.loss_scale_window
         self.min_scale = config.min_loss_scale
         self.hysteresis = config.hysteresis

@@ -36,8 +36,13 @@ def discover_rank_info(env: Mapping[str, str] | None = None, local_rank_arg: int
     chosen = next((e for e in environments if e.detect(env)), None)
     if chosen is None:
         info = RankInfo(
-            rank=0, local_rank=local_rank_arg or 0, world_size=1, local_world_size=1,
-            master_addr=None, master_port=None, source="single",
+            rank=0,
+            local_rank=local_rank_arg or 0,
+            world_size=1,
+            local_world_size=1,
+            master_addr=None,
+            master_port=None,
+            source="single",
         )
     else:
         info = chosen.read(env)

@@ -96,5 +96,7 @@ def port_var(env: Mapping[str, str], name: str, source: str) -> int | None:
         return None
     port = int_var(env, name, source)
     if not 0 < port < 65536:
-        raise RankDiscoveryError(f"{source}: {name}={port} is not a TCP port", fix="use a port between 1 and 65535")
+        raise RankDiscoveryError(
+            f"{source}: {name}={port} is not a TCP port", fix="use a port between 1 and 65535"
+        )
     return port

@@ -38,7 +38,9 @@ class SlurmEnvironment(ClusterEnvironment):
         )
 
     def _first_host(self, env: Mapping[str, str]) -> str | None:
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        nodelist = (
+            env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        )
         if not nodelist:
             return None
         try:

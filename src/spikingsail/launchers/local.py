@@ -37,8 +37,12 @@ def parser() -> argparse.ArgumentParser:
     p = get_args_parser()
     p.prog = "sail launch"
     p.description = "Start a training script on this machine under torchrun's elastic agent."
-    p.add_argument("-n", dest="nproc_per_node", default=argparse.SUPPRESS,
-                   help="processes on this node (same as --nproc-per-node)")
+    p.add_argument(
+        "-n",
+        dest="nproc_per_node",
+        default=argparse.SUPPRESS,
+        help="processes on this node (same as --nproc-per-node)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the commands instead of running them")
     return p
 

@@ -1,7 +1,8 @@
-"""What the engine reports after each optimizer step: a progress bar, log lines, a JSONL file.
+"""What the engine reports after optimizer steps: a progress bar, log lines, a JSONL file.
 
-Only rank 0 reports. A loss is read back from the device (a synchronisation on GPUs) only on
-the steps that print it, or on every step when a metrics file is configured.
+Only rank 0 reports. The engine asks ``wants(step)`` first and builds a record only then, so a
+step that reports nothing costs nothing; a loss is read back from the device (a synchronisation
+on GPUs) only on the steps that print it, or on every step when a metrics file is configured.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ class StepRecord:
     step: int
     loss: torch.Tensor | None
     """Mean loss of rank 0's micro-batches in this step (unscaled), still on the device."""
-    samples: int
-    """Samples consumed by all ranks in this step."""
     lr: float
     loss_scale: float
     skipped: bool
@@ -36,16 +35,18 @@ class StepMonitor:
         self,
         *,
         enabled: bool,
+        samples_per_step: int,
         steps_per_print: int,
         progress_bar: bool,
         metrics_path: str | None,
     ) -> None:
         self.enabled = enabled
+        self.samples_per_step = samples_per_step
         self.steps_per_print = steps_per_print
         self._bar: Any = None
         self._metrics: IO[str] | None = None
-        self._last = self._interval_start = time.perf_counter()
-        self._total_samples = self._interval_samples = 0
+        self._last_time = self._print_time = time.perf_counter()
+        self._print_step = 0
         # A bar redraws itself with carriage returns: on a terminal only, log lines elsewhere.
         if enabled and progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
@@ -55,50 +56,52 @@ class StepMonitor:
             path = Path(metrics_path)
             path.parent.mkdir(parents=True, exist_ok=True)
             self._metrics = path.open("a", buffering=1)
+        self._every_step = self._bar is not None or self._metrics is not None
+
+    def wants(self, step: int) -> bool:
+        return self.enabled and (self._every_step or step % self.steps_per_print == 0)
 
     def on_step(self, record: StepRecord) -> None:
-        if not self.enabled:
-            return
         now = time.perf_counter()
-        elapsed, self._last = now - self._last, now
-        self._total_samples += record.samples
-        self._interval_samples += record.samples
-        throughput = record.samples / elapsed if elapsed > 0 else 0.0
         printing = record.step % self.steps_per_print == 0
-        if printing:
-            span, self._interval_start = now - self._interval_start, now
-            throughput = self._interval_samples / span if span > 0 else 0.0
-            self._interval_samples = 0
         loss = float(record.loss.item()) if record.loss is not None and (printing or self._metrics) else None
         if self._metrics is not None:
-            self._metrics.write(
-                json.dumps(
-                    {
-                        "step": record.step,
-                        "loss": loss,
-                        "lr": record.lr,
-                        "samples": self._total_samples,
-                        "samples_per_sec": round(throughput, 3),
-                        "loss_scale": record.loss_scale,
-                        "skipped": record.skipped,
-                        "time": time.time(),
-                    }
-                )
-                + "\n"
-            )
+            self._write_metrics(record, loss, self.samples_per_step / max(now - self._last_time, 1e-9))
+        self._last_time = now
+        if not printing:
+            if self._bar is not None:
+                self._bar.update(1)
+            return
+        steps, self._print_step = record.step - self._print_step, record.step
+        span, self._print_time = now - self._print_time, now
+        throughput = steps * self.samples_per_step / max(span, 1e-9)
         if self._bar is not None:
             self._bar.update(1)
-            if printing and loss is not None:
+            if loss is not None:
                 self._bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{throughput:.0f}", refresh=False)
-        elif printing:
-            log.info(
-                "step %d  loss %s  lr %.3g  %.0f samples/s%s",
-                record.step,
-                "n/a" if loss is None else f"{loss:.4f}",
-                record.lr,
-                throughput,
-                "  (skipped: fp16 overflow)" if record.skipped else "",
-            )
+            return
+        log.info(
+            "step %d  loss %s  lr %.3g  %.0f samples/s%s",
+            record.step,
+            "n/a" if loss is None else f"{loss:.4f}",
+            record.lr,
+            throughput,
+            "  (skipped: fp16 overflow)" if record.skipped else "",
+        )
+
+    def _write_metrics(self, record: StepRecord, loss: float | None, throughput: float) -> None:
+        assert self._metrics is not None
+        line = {
+            "step": record.step,
+            "loss": loss,
+            "lr": record.lr,
+            "samples": record.step * self.samples_per_step,
+            "samples_per_sec": round(throughput, 3),
+            "loss_scale": record.loss_scale,
+            "skipped": record.skipped,
+            "time": time.time(),
+        }
+        self._metrics.write(json.dumps(line) + "\n")
 
     def close(self) -> None:
         if self._bar is not None:

@@ -29,7 +29,9 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 _DEEPSPEED_SWITCHES = {"adam_w_mode", "torch_adam", "fused"}
 
 
-def resolve_optimizer(config: OptimizerConfig, where: str) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+def resolve_optimizer(
+    config: OptimizerConfig, where: str
+) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """The torch class and keyword arguments a config names; raises ``ConfigError`` if it cannot."""
     name = config.type.lower()
     if name not in OPTIMIZERS:

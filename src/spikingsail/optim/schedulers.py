@@ -104,12 +104,16 @@ class WarmupDecayLR(WarmupLR):
             optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration
         )
         if total_num_steps < warmup_num_steps:
-            log.warning("WarmupDecayLR: total_num_steps %d < warmup_num_steps %d", total_num_steps, warmup_num_steps)
+            log.warning(
+                "WarmupDecayLR: total_num_steps %d < warmup_num_steps %d", total_num_steps, warmup_num_steps
+            )
 
     def gamma(self, iteration: int) -> float:
         if iteration < self.warmup_num_steps:
             return super().gamma(iteration)
-        return max(0.0, (self.total_num_steps - iteration) / max(1.0, self.total_num_steps - self.warmup_num_steps))
+        return max(
+            0.0, (self.total_num_steps - iteration) / max(1.0, self.total_num_steps - self.warmup_num_steps)
+        )
 
 
 class OneCycle(IterationSchedule):
@@ -189,7 +193,8 @@ def check_scheduler(config: SchedulerConfig, where: str) -> type[IterationSchedu
                 fix=f"valid params: {', '.join(sorted(accepted))}",
             )
     required = [
-        n for n, p in signature.parameters.items()
+        n
+        for n, p in signature.parameters.items()
         if p.default is inspect.Parameter.empty and n not in ("self", "optimizer")
     ]
     for key in required:
@@ -198,7 +203,9 @@ def check_scheduler(config: SchedulerConfig, where: str) -> type[IterationSchedu
     return cls
 
 
-def build_scheduler(config: SchedulerConfig, optimizer: torch.optim.Optimizer, where: str) -> IterationSchedule:
+def build_scheduler(
+    config: SchedulerConfig, optimizer: torch.optim.Optimizer, where: str
+) -> IterationSchedule:
     cls = check_scheduler(config, where)
     try:
         return cls(optimizer, **config.params)

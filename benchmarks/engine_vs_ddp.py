@@ -1,0 +1,122 @@
+"""Step time of the SpikingSail engine against a hand-written DDP loop, on 2 gloo ranks.
+
+    python benchmarks/engine_vs_ddp.py            # re-launches itself with `sail launch -n 2`
+    python benchmarks/engine_vs_ddp.py --steps 400
+
+Both loops train the same model on the same pre-made batches in the same process group; the
+measurements alternate in blocks so that machine noise hits both alike. Prints the median step
+time of each after warm-up and their ratio (engine / DDP) for a tiny and a mid-size model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import spikingsail
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "tiny (9.6k params)": lambda: nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)),
+    "mid (5.3M params)": lambda: nn.Sequential(
+        nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 1536), nn.ReLU(), nn.Linear(1536, 10)
+    ),
+}
+MICRO_BATCH = 32
+BLOCK = 25
+
+
+def batches(model: nn.Module, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    features = next(model.parameters()).shape[1]
+    g = torch.Generator().manual_seed(dist.get_rank())
+    return [
+        (torch.randn(MICRO_BATCH, features, generator=g), torch.randint(0, 10, (MICRO_BATCH,), generator=g))
+        for _ in range(count)
+    ]
+
+
+def timed_block(
+    step: Callable[[torch.Tensor, torch.Tensor], None], data: list[tuple[torch.Tensor, torch.Tensor]]
+) -> list[float]:
+    times = []
+    for x, y in data:
+        start = time.perf_counter()
+        step(x, y)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def compare(name: str, make: Callable[[], nn.Module], steps: int) -> tuple[float, float]:
+    torch.manual_seed(0)
+    base = make()
+    ddp = DistributedDataParallel(copy.deepcopy(base))
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+
+    def ddp_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = F.cross_entropy(ddp(x), y)
+        loss.backward()
+        ddp_opt.step()
+        ddp_opt.zero_grad(set_to_none=True)
+
+    model = copy.deepcopy(base)
+    engine, _ = spikingsail.initialize(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+        config={"train_micro_batch_size_per_gpu": MICRO_BATCH, "sail": {"progress_bar": False}},
+    )
+
+    def engine_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = F.cross_entropy(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+
+    data = batches(base, BLOCK)
+    for step in (ddp_step, engine_step):  # warm-up
+        timed_block(step, data)
+    ddp_times: list[float] = []
+    engine_times: list[float] = []
+    for _ in range(max(1, steps // BLOCK)):
+        ddp_times += timed_block(ddp_step, data)
+        engine_times += timed_block(engine_step, data)
+    engine.close()
+    return statistics.median(ddp_times), statistics.median(engine_times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=300, help="measured steps per loop and model")
+    args = parser.parse_args()
+    if "RANK" not in os.environ:
+        os.execv(
+            sys.executable,
+            [sys.executable, "-m", "spikingsail.cli.main", "launch", "-n", "2", __file__, *sys.argv[1:]],
+        )
+    dist.init_process_group("gloo")
+    rows = [(name, *compare(name, make, args.steps)) for name, make in MODELS.items()]
+    if dist.get_rank() == 0:
+        print(f"\n{'model':<22}{'DDP ms/step':>14}{'engine ms/step':>16}{'ratio':>8}")
+        for name, ddp_time, engine_time in rows:
+            print(
+                f"{name:<22}{ddp_time * 1e3:>14.3f}{engine_time * 1e3:>16.3f}{engine_time / ddp_time:>8.3f}"
+            )
+        print(
+            f"(median of {args.steps} steps each, micro batch {MICRO_BATCH}, "
+            f"{dist.get_world_size()} gloo ranks, torch {torch.__version__})"
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -100,3 +100,24 @@ class SailConfig:
     """DeepSpeed keys present in the file that SpikingSail accepts but does not act on."""
     source: str = "<dict>"
     """Where the config came from, for messages."""
+
+
+def summary(config: SailConfig) -> str:
+    """An aligned dump of the settings that shape a run, logged once at start."""
+    precision = "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else "fp32"
+    rows = {
+        "config": config.source,
+        "backend": f"{config.sail.backend} (dist backend {config.sail.dist_backend})",
+        "world_size": str(config.world_size),
+        "train_batch_size": (
+            f"{config.train_batch_size} = micro {config.train_micro_batch_size_per_gpu}"
+            f" × accumulation {config.gradient_accumulation_steps} × world {config.world_size}"
+        ),
+        "optimizer": config.optimizer.type if config.optimizer else "client",
+        "scheduler": config.scheduler.type if config.scheduler else "none",
+        "precision": precision,
+        "gradient_clipping": str(config.gradient_clipping or "off"),
+        "zero_optimization.stage": str(config.zero_optimization.stage),
+    }
+    width = max(map(len, rows))
+    return "\n".join(f"  {key:<{width}} : {value}" for key, value in rows.items())

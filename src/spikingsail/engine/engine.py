@@ -76,17 +76,7 @@ class Engine:
             progress_bar=config.sail.progress_bar,
             metrics_path=config.sail.metrics_path,
         )
-        log.info(
-            "engine ready: backend %s on %s, world size %d, micro batch %d × accumulation %d × %d ranks = %d, %s",
-            backend.name,
-            self.device,
-            rank_info.world_size,
-            config.train_micro_batch_size_per_gpu,
-            config.gradient_accumulation_steps,
-            rank_info.world_size,
-            config.train_batch_size,
-            self.precision.name,
-        )
+        log.info("engine ready: rank %d of %d on %s", rank_info.rank, rank_info.world_size, self.device)
 
     def _optimizer_from_config(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         if self.config.optimizer is None:

@@ -15,7 +15,7 @@ import torch
 
 from spikingsail.backends import backend_class
 from spikingsail.config.parse import load_config
-from spikingsail.config.schema import SailConfig
+from spikingsail.config.schema import SailConfig, summary
 from spikingsail.engine.engine import Engine, LRScheduler
 from spikingsail.environments import RankInfo, discover_rank_info
 from spikingsail.errors import ConfigError
@@ -98,6 +98,7 @@ def initialize(
     sail_config = load_config(config, rank_info.world_size)
     backend_cls = backend_class(sail_config.sail.backend, sail_config.source)
     if rank_info.is_rank_zero:
+        log.info("SpikingSail config (%s):\n%s", rank_info.source, summary(sail_config))
         _report_unused(
             sail_config, backend_cls.name, backend_cls.honoured_deepspeed_keys, backend_cls.max_zero_stage
         )

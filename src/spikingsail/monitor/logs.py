@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
-_FORMAT = "[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s"
+_FORMAT = "[{who}] %(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class _RankZeroInfo(logging.Filter):
@@ -23,13 +23,15 @@ class _RankZeroInfo(logging.Filter):
         return self.rank == 0 or record.levelno >= logging.WARNING
 
 
-def configure_logging(rank: int = 0, level: str | int | None = None) -> None:
+def configure_logging(rank: int | None = None, level: str | int | None = None) -> None:
+    """Handlers for the ``spikingsail`` logger; ``rank`` None is the launcher itself."""
     logger = logging.getLogger("spikingsail")
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(_FORMAT.format(rank=rank), datefmt="%H:%M:%S"))
-    handler.addFilter(_RankZeroInfo(rank))
+    who = "sail" if rank is None else f"rank{rank}"
+    handler.setFormatter(logging.Formatter(_FORMAT.format(who=who), datefmt="%H:%M:%S"))
+    handler.addFilter(_RankZeroInfo(rank or 0))
     logger.addHandler(handler)
     logger.setLevel(level or os.environ.get("SAIL_LOG_LEVEL", "INFO").upper())
     logger.propagate = False

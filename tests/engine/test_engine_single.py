@@ -147,14 +147,9 @@ def test_metrics_file_gets_one_line_per_step(tmp_path: Any) -> None:
     assert all(isinstance(r["loss"], float) and r["samples"] == 2 * r["step"] for r in records)
 
 
-def test_inputs_move_to_the_engine_device_and_nested_structures_survive() -> None:
-    engine = engine_for({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+def test_inputs_are_moved_through_nested_structures() -> None:
+    from spikingsail.engine.engine import _to_device
 
-    class Echo(torch.nn.Module):
-        def forward(self, batch: dict[str, Any]) -> Any:
-            return batch
-
-    engine.wrapped_module = Echo()
-    out = engine({"x": [torch.ones(1)], "n": 3})
-    assert out["n"] == 3 and out["x"][0].device == engine.device
-    engine.close()
+    moved = _to_device(({"x": [torch.ones(1)], "n": 3}, (torch.zeros(2),)), torch.device("meta"))
+    assert moved[0]["n"] == 3
+    assert moved[0]["x"][0].device.type == "meta" and moved[1][0].device.type == "meta"

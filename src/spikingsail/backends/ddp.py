@@ -47,6 +47,17 @@ class DDPBackend(Backend):
         return self.ddp.no_sync()
 
     def teardown(self) -> None:
+        if self.ddp is not None:
+            # DDP's C++ reducer (and the logger sharing it) hold the process group through a
+            # binding that keeps the GIL while destroying what it holds. If the reducer ends up
+            # as the group's last owner, gloo's worker threads, which need the GIL to finish
+            # their last work item, are joined under it and the process hangs on exit. Drop
+            # them while the group is still registered, so the group dies in
+            # destroy_process_group, which releases the GIL.
+            for name in ("logger", "reducer"):
+                if hasattr(self.ddp, name):
+                    delattr(self.ddp, name)
+            self.ddp = None
         if self._owns_group:
             leave_process_group()
             self._owns_group = False

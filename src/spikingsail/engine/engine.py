@@ -7,6 +7,7 @@ parallelism to a ``Backend``.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import random
 from collections.abc import Callable, Iterator
@@ -45,23 +46,23 @@ class Engine:
         self.config = config
         self.rank_info = rank_info
         self.backend = backend
+        _check_optimizer_source(config, optimizer)
         if config.sail.seed is not None:
             seed_everything(config.sail.seed)
         self.device = backend.setup()
-        self.module = model.to(self.device)
-        if optimizer is not None and config.optimizer is not None:
-            log.warning(
-                "%s: the optimizer passed to the engine is used; the config's optimizer section (%s) "
-                "is ignored",
-                config.source,
-                config.optimizer.type,
-            )
-        optimizer = optimizer or self._optimizer_from_config(model)
-        self.precision = select_precision(config, self.device)
-        self.wrapped_module, self.optimizer = backend.wrap(self.module, optimizer)
-        self.lr_scheduler = lr_scheduler
-        if lr_scheduler is None and config.scheduler is not None:
-            self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer, config.source)
+        try:
+            self.module = model.to(self.device)
+            if optimizer is None:
+                assert config.optimizer is not None  # _check_optimizer_source made sure
+                optimizer = build_optimizer(config.optimizer, model.parameters(), config.source)
+            self.precision = select_precision(config, self.device)
+            self.wrapped_module, self.optimizer = backend.wrap(self.module, optimizer)
+            self.lr_scheduler = lr_scheduler
+            if lr_scheduler is None and config.scheduler is not None:
+                self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer, config.source)
+        except BaseException:
+            backend.teardown()  # leave the process group: a failed start must not leave it up
+            raise
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -76,16 +77,9 @@ class Engine:
             progress_bar=config.sail.progress_bar,
             metrics_path=config.sail.metrics_path,
         )
+        self._closed = False
+        atexit.register(self.close)
         log.info("engine ready: rank %d of %d on %s", rank_info.rank, rank_info.world_size, self.device)
-
-    def _optimizer_from_config(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        if self.config.optimizer is None:
-            raise ConfigError(
-                f"{self.config.source}: no optimizer",
-                "the engine steps an optimizer, and neither the call nor the config provides one",
-                'pass optimizer= to SpikingSail/initialize, or add "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}',
-            )
-        return build_optimizer(self.config.optimizer, model.parameters(), self.config.source)
 
     # -- the training step -------------------------------------------------------------------
 
@@ -227,7 +221,14 @@ class Engine:
         return self.backend.all_reduce_sum(tensor)
 
     def close(self) -> None:
-        """Close the progress bar and metrics file and leave the process group the engine joined."""
+        """Close the progress bar and metrics file and leave the process group the engine joined.
+
+        Runs at interpreter exit too when the script does not call it; calling it twice is harmless.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
         self.monitor.close()
         self.backend.teardown()
 
@@ -236,6 +237,21 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_optimizer_source(config: SailConfig, optimizer: torch.optim.Optimizer | None) -> None:
+    if optimizer is None and config.optimizer is None:
+        raise ConfigError(
+            f"{config.source}: no optimizer",
+            "the engine steps an optimizer, and neither the call nor the config provides one",
+            'pass optimizer= to SpikingSail/initialize, or add "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}',
+        )
+    if optimizer is not None and config.optimizer is not None:
+        log.warning(
+            "%s: the optimizer passed to the engine is used; the config's optimizer section (%s) is ignored",
+            config.source,
+            config.optimizer.type,
+        )
 
 
 def seed_everything(seed: int) -> None:

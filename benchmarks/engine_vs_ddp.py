@@ -3,9 +3,10 @@
     python benchmarks/engine_vs_ddp.py            # re-launches itself with `sail launch -n 2`
     python benchmarks/engine_vs_ddp.py --steps 400
 
-Both loops train the same model on the same pre-made batches in the same process group; the
-measurements alternate in blocks so that machine noise hits both alike. Prints the median step
-time of each after warm-up and their ratio (engine / DDP) for a tiny and a mid-size model.
+Both loops train the same model on the same pre-made batches in the same process group; their
+steps alternate one by one, so machine noise and allocator state hit both alike (alternating in
+blocks of steps biased the tiny model's ratio by up to ±10%). Prints the median step time of each
+after warm-up and their ratio (engine / DDP) for a tiny and a mid-size model.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     ),
 }
 MICRO_BATCH = 32
-BLOCK = 25
+WARMUP = 30
 
 
 def batches(model: nn.Module, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -45,14 +46,17 @@ def batches(model: nn.Module, count: int) -> list[tuple[torch.Tensor, torch.Tens
     ]
 
 
-def timed_block(
-    step: Callable[[torch.Tensor, torch.Tensor], None], data: list[tuple[torch.Tensor, torch.Tensor]]
-) -> list[float]:
-    times = []
+def interleaved(
+    steps: tuple[Callable[[torch.Tensor, torch.Tensor], None], ...],
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[list[float]]:
+    """Run every step function on each batch in turn; per function, the time of each call."""
+    times: list[list[float]] = [[] for _ in steps]
     for x, y in data:
-        start = time.perf_counter()
-        step(x, y)
-        times.append(time.perf_counter() - start)
+        for step, bucket in zip(steps, times, strict=True):
+            start = time.perf_counter()
+            step(x, y)
+            bucket.append(time.perf_counter() - start)
     return times
 
 
@@ -80,14 +84,8 @@ def compare(name: str, make: Callable[[], nn.Module], steps: int) -> tuple[float
         engine.backward(loss)
         engine.step()
 
-    data = batches(base, BLOCK)
-    for step in (ddp_step, engine_step):  # warm-up
-        timed_block(step, data)
-    ddp_times: list[float] = []
-    engine_times: list[float] = []
-    for _ in range(max(1, steps // BLOCK)):
-        ddp_times += timed_block(ddp_step, data)
-        engine_times += timed_block(engine_step, data)
+    interleaved((ddp_step, engine_step), batches(base, WARMUP))
+    ddp_times, engine_times = interleaved((ddp_step, engine_step), batches(base, steps))
     engine.close()
     return statistics.median(ddp_times), statistics.median(engine_times)
 

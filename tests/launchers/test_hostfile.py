@@ -17,7 +17,9 @@ def hostfile(tmp_path: Path, text: str) -> Path:
 
 
 def test_deepspeed_and_seed_forms_with_comments(tmp_path: Path) -> None:
-    path = hostfile(tmp_path, "# cluster\nworker-1 slots=4\n\nworker-2  2   # the V100 box\n10.0.0.3 slots = 1\n")
+    path = hostfile(
+        tmp_path, "# cluster\nworker-1 slots=4\n\nworker-2  2   # the V100 box\n10.0.0.3 slots = 1\n"
+    )
     assert parse_hostfile(path) == [
         Node(host="worker-1", slots=(0, 1, 2, 3)),
         Node(host="worker-2", slots=(0, 1)),
@@ -54,7 +56,9 @@ def test_missing_hostfile(tmp_path: Path) -> None:
 
 def test_horovod_host_list() -> None:
     assert parse_host_list("h1:2,h2:1,h3") == [
-        Node(host="h1", slots=(0, 1)), Node(host="h2", slots=(0,)), Node(host="h3", slots=(0,))
+        Node(host="h1", slots=(0, 1)),
+        Node(host="h2", slots=(0,)),
+        Node(host="h3", slots=(0,)),
     ]
     with pytest.raises(LaunchError, match="cannot read 'h2:x'"):
         parse_host_list("h1:2,h2:x")
@@ -64,11 +68,17 @@ NODES = [Node(host="a", slots=(0, 1, 2, 3)), Node(host="b", slots=(0, 1, 2, 3)),
 
 
 def test_include_hosts_and_slots() -> None:
-    assert select_nodes(NODES, include="b:1,3@a") == [Node(host="b", slots=(1, 3)), Node(host="a", slots=(0, 1, 2, 3))]
+    assert select_nodes(NODES, include="b:1,3@a") == [
+        Node(host="b", slots=(1, 3)),
+        Node(host="a", slots=(0, 1, 2, 3)),
+    ]
 
 
 def test_exclude_hosts_and_slots() -> None:
-    assert select_nodes(NODES, exclude="a@b:0") == [Node(host="b", slots=(1, 2, 3)), Node(host="c", slots=(0, 1))]
+    assert select_nodes(NODES, exclude="a@b:0") == [
+        Node(host="b", slots=(1, 2, 3)),
+        Node(host="c", slots=(0, 1)),
+    ]
 
 
 def test_include_of_an_unknown_host_names_it() -> None:
@@ -83,7 +93,10 @@ def test_include_of_a_slot_the_host_lacks() -> None:
 
 
 def test_num_nodes_and_num_gpus() -> None:
-    assert select_nodes(NODES, num_nodes=2, num_gpus=2) == [Node(host="a", slots=(0, 1)), Node(host="b", slots=(0, 1))]
+    assert select_nodes(NODES, num_nodes=2, num_gpus=2) == [
+        Node(host="a", slots=(0, 1)),
+        Node(host="b", slots=(0, 1)),
+    ]
     with pytest.raises(LaunchError, match="--num_nodes 4 but 3 node"):
         select_nodes(NODES, num_nodes=4)
     with pytest.raises(LaunchError, match="--num_gpus 3 is more than the slots of c"):

@@ -38,7 +38,9 @@ def parse_hostfile(path: str | Path, default_slots: int | None = None) -> list[N
         text = path.read_text()
     except OSError as err:
         raise LaunchError(
-            f"cannot read hostfile {path}", err.strerror or str(err), "check the path given to -H / --hostfile"
+            f"cannot read hostfile {path}",
+            err.strerror or str(err),
+            "check the path given to -H / --hostfile",
         ) from None
     nodes: list[Node] = []
     seen: dict[str, int] = {}
@@ -79,7 +81,9 @@ def _slot_count(value: str | None, default: int | None, where: str) -> int:
             )
         return default
     if not value.isdigit() or int(value) < 1:
-        raise LaunchError(f"{where}: slot count {value!r} is not a positive integer", fix="write e.g. 'slots=4'")
+        raise LaunchError(
+            f"{where}: slot count {value!r} is not a positive integer", fix="write e.g. 'slots=4'"
+        )
     return int(value)
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from spikingsail.errors import LaunchError
-from spikingsail.launchers.local import parse_launch
+from spikingsail.launchers import plan
+from spikingsail.launchers.request import parse_request
 
 SAIL = [sys.executable, "-m", "spikingsail.cli.main"]
 
@@ -20,8 +21,9 @@ SAIL = [sys.executable, "-m", "spikingsail.cli.main"]
 def test_n_becomes_nproc_per_node_and_single_node_is_standalone(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.touch()
-    launch = parse_launch(["-n", "2", "--max-restarts", "1", str(script), "--lr", "0.1", "-n", "7"])
-    (command,) = launch.commands()
+    (command,) = plan(
+        parse_request(["-n", "2", "--max-restarts", "1", str(script), "--lr", "0.1", "-n", "7"])
+    )
     assert command.host == "localhost"
     assert command.argv[1:] == [
         "-m",
@@ -42,15 +44,15 @@ def test_n_becomes_nproc_per_node_and_single_node_is_standalone(tmp_path: Path) 
 def test_explicit_rendezvous_is_not_overridden(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.touch()
-    launch = parse_launch(["--nproc-per-node=2", "--master-port=29555", str(script)])
-    assert launch.torchrun_args == ["--nproc-per-node=2", "--master-port=29555"]
-    launch = parse_launch(["--nnodes=2", "--rdzv-endpoint=node1:29400", str(script)])
-    assert "--standalone" not in launch.torchrun_args
+    request = parse_request(["--nproc-per-node=2", "--master-port=29555", str(script)])
+    assert request.torchrun_args == ["--nproc-per-node=2", "--master-port=29555"]
+    request = parse_request(["--nnodes=2", "--rdzv-endpoint=node1:29400", str(script)])
+    assert "--standalone" not in request.torchrun_args
 
 
 def test_missing_script_is_refused_before_anything_starts(tmp_path: Path) -> None:
     with pytest.raises(LaunchError, match=r"training script .*nope\.py does not exist"):
-        parse_launch(["-n", "2", str(tmp_path / "nope.py")])
+        parse_request(["-n", "2", str(tmp_path / "nope.py")])
 
 
 def run_sail(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:

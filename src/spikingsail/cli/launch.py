@@ -1,22 +1,43 @@
-"""``sail launch``: parse, print the plan, run it."""
+"""``sail launch``: parse, plan, print or run."""
 
 from __future__ import annotations
 
 import logging
+import sys
 
+from spikingsail.errors import LaunchError
+from spikingsail.launchers import plan
 from spikingsail.launchers.command import run_local
-from spikingsail.launchers.local import parse_launch
+from spikingsail.launchers.preflight import check_hosts
+from spikingsail.launchers.request import parse_request
+from spikingsail.launchers.supervisor import supervise
 
 log = logging.getLogger(__name__)
 
 
 def run(argv: list[str]) -> int:
-    launch = parse_launch(argv)
-    commands = launch.commands()
-    if launch.dry_run:
+    request = parse_request(argv)
+    commands = plan(request)
+    if request.dry_run:
         for command in commands:
             print(command.render())
         return 0
-    (command,) = commands
-    log.info("launching %s process(es): %s", launch.nproc_per_node, command.render())
-    return run_local(command)
+    if request.launcher == "local":
+        (command,) = commands
+        log.info("launching %s process(es): %s", request.nproc_per_node, command.render())
+        return run_local(command)
+    assert request.nodes is not None
+    check_hosts([n.host for n in request.nodes], request.ssh)
+    log.info(
+        "launching on %d node(s) with %s: %s",
+        len(request.nodes),
+        request.launcher,
+        ", ".join(f"{n.host}×{n.nproc}" for n in request.nodes),
+    )
+    status, failure = supervise(commands)
+    if failure is not None:
+        print(
+            f"sail launch: {LaunchError(failure.describe(), fix='see the node output above')}",
+            file=sys.stderr,
+        )
+    return status

@@ -1,0 +1,129 @@
+"""Multi-node plans as data: the exact per-node commands and environment, before anything runs."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from spikingsail.errors import LaunchError
+from spikingsail.launchers import plan
+from spikingsail.launchers.remote_env import read_env_file, remote_env
+from spikingsail.launchers.request import parse_request
+
+
+@pytest.fixture
+def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").touch()
+    (tmp_path / "hostfile").write_text("node1 slots=2\nnode2 slots=2\n")
+    return tmp_path
+
+
+def remote(argv: list[str]) -> list[str]:
+    return shlex.split(argv[-1])
+
+
+def test_ssh_plan_one_agent_per_node(job: Path) -> None:
+    commands = plan(
+        parse_request(
+            [
+                "-H",
+                "hostfile",
+                "--ssh-port",
+                "222",
+                "--max-restarts",
+                "2",
+                "--rdzv-id",
+                "job7",
+                "train.py",
+                "--lr",
+                "0.1",
+            ]
+        )
+    )
+    assert [c.host for c in commands] == ["node1", "node2"]
+    for command in commands:
+        assert command.argv[:2] == ["ssh", "-tt"]
+        assert {"BatchMode=yes", "ConnectTimeout=10"} <= set(command.argv)
+        assert command.argv[command.argv.index("-p") + 1] == "222"
+        words = remote(command.argv)
+        assert words[:3] == ["cd", str(job), "&&"]
+        agent = words[words.index(sys.executable) :]
+        assert agent == [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "node1:29500",
+            "--rdzv-id",
+            "job7",
+            "--max-restarts",
+            "2",
+            "train.py",
+            "--lr",
+            "0.1",
+        ]
+
+
+def test_include_slots_become_cuda_visible_devices(job: Path) -> None:
+    (node,) = plan(parse_request(["-H", "hostfile", "--include", "node2:1", "train.py"]))
+    words = remote(node.argv)
+    assert node.host == "node2"
+    assert "CUDA_VISIBLE_DEVICES=1" in words
+    assert words[words.index("--nnodes") + 1] == "1" and words[words.index("--nproc-per-node") + 1] == "1"
+    assert words[words.index("--rdzv-endpoint") + 1] == "node2:29500"
+
+
+def test_horovod_style_host_list_and_np(job: Path) -> None:
+    commands = plan(parse_request(["-H", "a:2,b:2,c:2", "-np", "3", "train.py"]))
+    assert [(c.host, remote(c.argv)[remote(c.argv).index("--nproc-per-node") + 1]) for c in commands] == [
+        ("a", "2"),
+        ("b", "1"),
+    ]
+
+
+def test_pdsh_groups_nodes_and_returns_remote_failures(job: Path) -> None:
+    (command,) = plan(
+        parse_request(["-H", "hostfile", "--launcher", "pdsh", "--ssh-config", "cfg", "train.py"])
+    )
+    assert command.argv[:6] == ["pdsh", "-S", "-f", "1024", "-w", "node1,node2"]
+    assert command.env["PDSH_RCMD_TYPE"] == "ssh"
+    assert "-F cfg" in command.env["PDSH_SSH_ARGS_APPEND"] and "-tt" in command.env["PDSH_SSH_ARGS_APPEND"]
+
+
+def test_environment_shipped_is_explicit(job: Path) -> None:
+    (job / ".sail_env").write_text(
+        "# cluster settings\nNCCL_SOCKET_IFNAME=eth0\nexport GLOO_SOCKET_IFNAME='eth0'\n"
+    )
+    shell = {"NCCL_DEBUG": "INFO", "AWS_SECRET_ACCESS_KEY": "s3cr3t", "HOME": "/root", "OMP_NUM_THREADS": "4"}
+    env = remote_env({"NCCL_DEBUG": "WARN"}, shell=shell, search=(job / ".sail_env",))
+    assert env == {
+        "NCCL_DEBUG": "WARN",
+        "OMP_NUM_THREADS": "4",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "GLOO_SOCKET_IFNAME": "eth0",
+    }
+
+
+def test_bad_env_file_line_and_flag(job: Path) -> None:
+    (job / ".sail_env").write_text("A=1\nnot an assignment\n")
+    with pytest.raises(LaunchError, match=r"\.sail_env:2: cannot read 'not an assignment'"):
+        read_env_file(job / ".sail_env")
+    with pytest.raises(LaunchError, match="--env 'NOEQUALS' is not KEY=VALUE"):
+        parse_request(["-H", "hostfile", "--env", "NOEQUALS", "train.py"])
+
+
+def test_flags_that_need_hosts(job: Path) -> None:
+    with pytest.raises(LaunchError, match="--include needs hosts"):
+        parse_request(["--include", "node1", "train.py"])
+    with pytest.raises(LaunchError, match="-H nohostfile: no such hostfile"):
+        parse_request(["-H", "nohostfile", "train.py"])

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Set up, then run the checks CI runs: ruff, mypy and the whole test suite (extra args go to pytest).
+# Set up (Python environment and the system packages the cluster tests use), then run the checks CI
+# runs: ruff, mypy and the whole test suite (extra args go to pytest).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$root/scripts/setup.sh"
+bash "$root/scripts/system-deps.sh"
 cd "$root"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

@@ -17,13 +17,24 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 
 from spikingsail.launchers.command import LaunchCommand
 
-TAIL_LINES = 25
+TAIL_LINES = 80
 _GRACE_SECONDS = 15.0
-_ROOT_CAUSE = re.compile(r"rank: (\d+) \(local_rank: (\d+)\)\s*\n?.*?exitcode\s*:\s*(-?\d+)", re.S)
+# torchrun's failure summary, possibly behind pdsh's "node2: " prefixes:
+#   time      : 2026-11-22_03:03:39
+#   host      : node2
+#   rank      : 1 (local_rank: 0)
+#   exitcode  : -9 (pid: 7)  (SIGKILL)
+_ROOT_CAUSE = re.compile(
+    r"time\s*:\s*(?P<time>\S+)\s*\n[^\n]*?host\s*:\s*(?P<host>\S+)\s*\n"
+    r"[^\n]*?rank\s*:\s*(?P<rank>\d+) \(local_rank: (?P<local>\d+)\)\s*\n"
+    r"[^\n]*?exitcode\s*:\s*(?P<code>-?\d+)[^\n]*?(?P<signal>\(SIG\w+\))?[ \t]*$",
+    re.M,
+)
 
 
 @dataclass(slots=True)
@@ -40,17 +51,17 @@ class Failure:
     tail: list[str]
 
     def describe(self) -> str:
-        text = "\n".join(self.tail)
-        cause = _ROOT_CAUSE.search(text)
-        rank = (
-            f", rank {cause.group(1)} (local rank {cause.group(2)}) exited with {cause.group(3)}"
-            if cause
-            else ""
-        )
+        # Under pdsh one stream carries every node's summary; the earliest failure is the cause,
+        # the others are ranks that lost their peers.
+        causes = sorted(_ROOT_CAUSE.finditer("\n".join(self.tail)), key=lambda m: m["time"])
+        cause = causes[0] if causes else None
+        host, detail = self.host, ""
+        if cause:
+            host = cause["host"]
+            detail = f", rank {cause['rank']} (local rank {cause['local']}) exited with {cause['code']}"
+            detail += f" {cause['signal']}" if cause["signal"] else ""
         shown = "\n".join(f"    {line}" for line in self.tail[-12:])
-        return (
-            f"node {self.host} failed (agent exit status {self.exit_code}){rank}; its last output:\n{shown}"
-        )
+        return f"node {host} failed (agent exit status {self.exit_code}){detail}; its last output:\n{shown}"
 
 
 def supervise(commands: list[LaunchCommand]) -> tuple[int, Failure | None]:
@@ -118,16 +129,43 @@ def _wait(running: list[Running], stop: list[int]) -> Failure | None:
 def _stop_all(running: list[Running]) -> None:
     alive = [r for r in running if r.process.poll() is None]
     for run in alive:
-        _signal_group(run.process, signal.SIGTERM)
+        _signal_tree(run.process.pid, signal.SIGTERM)
     deadline = time.monotonic() + _GRACE_SECONDS
     for run in alive:
         try:
             run.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            _signal_group(run.process, signal.SIGKILL)
+            _signal_tree(run.process.pid, signal.SIGKILL)
             run.process.wait()
 
 
-def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signum)
+def _signal_tree(root: int, signum: int) -> None:
+    """Signal a process and all its descendants.
+
+    pdsh puts each of its ssh clients in a process group of its own, so signalling the group
+    the supervisor created is not enough: every ssh client must end for its remote agent to get
+    the hang-up that stops it.
+    """
+    for pid in [root, *_descendants(root)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # /proc/PID/stat: "pid (comm) state ppid ..."; comm may contain spaces and parentheses.
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: list[int] = []
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found

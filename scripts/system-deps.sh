@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Install the system packages the cluster tests run for real (sshd, pdsh, iproute2), if missing.
+# Needs root and Debian's apt; elsewhere it says what is missing and the cluster tests will fail
+# with the same message.
+set -euo pipefail
+packages=(openssh-server openssh-client pdsh iproute2 util-linux)
+commands=(/usr/sbin/sshd ssh pdsh ip nsenter unshare)
+missing=()
+for cmd in "${commands[@]}"; do command -v "$cmd" >/dev/null 2>&1 || missing+=("$cmd"); done
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+  echo "[system-deps] missing ${missing[*]}; install: ${packages[*]} (needs root and apt)" >&2
+  exit 0
+fi
+echo "[system-deps] installing ${packages[*]}"
+apt-get update -qq
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null

@@ -1,0 +1,22 @@
+"""The two-node test cluster, built once per test session and torn down after it."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.harness import NamespaceCluster
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[NamespaceCluster]:
+    workdir = Path(tempfile.mkdtemp(prefix="sail-cluster-"))
+    test_cluster = NamespaceCluster(workdir)
+    try:
+        test_cluster.start()
+        yield test_cluster
+    finally:
+        test_cluster.stop()

@@ -1,0 +1,177 @@
+"""A real two-node cluster on one machine: network namespaces with their own hostname, address and sshd.
+
+Node N lives in namespace ``sail<pid>nN`` at 10.99.0.N, reachable as ``nodeN`` through a hosts file
+bind-mounted over /etc/hosts inside the node. Every node runs its own sshd (own config, host key and
+authorized key) so the launchers' ssh and pdsh paths run for real. Traffic stays inside the
+namespaces. Needs root, iproute2, util-linux and openssh-server (``.ci/run`` installs them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+REQUIRED = ("ip", "nsenter", "unshare", "ssh", "ssh-keygen", "/usr/sbin/sshd")
+SUBNET = "10.99.0"
+
+
+class ClusterUnavailableError(RuntimeError):
+    """The machine cannot host the test cluster (not root, or tools missing)."""
+
+
+class NamespaceCluster:
+    def __init__(self, workdir: Path, nodes: int = 2) -> None:
+        self.workdir = workdir
+        self.names = [f"node{i}" for i in range(1, nodes + 1)]
+        tag = os.getpid() % 100000
+        self.netns = {name: f"sail{tag}n{i}" for i, name in enumerate(self.names, start=1)}
+        self.address = {name: f"{SUBNET}.{i}" for i, name in enumerate(self.names, start=1)}
+        self.hosts_file = workdir / "hosts"
+        self.ssh_config = workdir / "ssh_config"
+        self.key = workdir / "id_ed25519"
+        self._veth = (f"sv{tag}a", f"sv{tag}b")
+
+    # -- life cycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        missing = [t for t in REQUIRED if shutil.which(t) is None]
+        if os.geteuid() != 0 or missing:
+            raise ClusterUnavailableError(
+                f"the test cluster needs root and {', '.join(REQUIRED)}; missing: {missing or 'root'}. "
+                "Run the suite through `bash scripts/test.sh`, which installs them."
+            )
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._network()
+        self._keys()
+        for name in self.names:
+            self.start_sshd(name)
+
+    def stop(self) -> None:
+        for name in self.names:
+            self.kill_namespace_processes(name)
+            subprocess.run(["ip", "netns", "del", self.netns[name]], check=False, capture_output=True)
+
+    # -- running things on a node ----------------------------------------------------------------
+
+    def node_argv(self, name: str, argv: list[str]) -> list[str]:
+        """argv that runs ``argv`` inside node ``name`` (its network, hostname and /etc/hosts)."""
+        setup = f'hostname {name} && mount --bind {self.hosts_file} /etc/hosts && exec "$@"'
+        return ["nsenter", f"--net=/run/netns/{self.netns[name]}", "unshare", "--uts", "--mount",
+                "sh", "-c", setup, "sh", *argv]  # fmt: skip
+
+    def run(
+        self, name: str, argv: list[str], timeout: float = 180, **kwargs: object
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.node_argv(name, argv), capture_output=True, text=True, timeout=timeout, check=False, **kwargs
+        )  # type: ignore[call-overload]
+
+    def pids(self, name: str) -> list[int]:
+        """Every process living in the node's network namespace."""
+        out = subprocess.run(
+            ["ip", "netns", "pids", self.netns[name]], capture_output=True, text=True, check=False
+        ).stdout
+        return [int(p) for p in out.split()]
+
+    def commands_on(self, name: str) -> list[str]:
+        lines = []
+        for pid in self.pids(name):
+            try:
+                lines.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip())
+            except OSError:
+                continue
+        return lines
+
+    def kill_namespace_processes(self, name: str) -> None:
+        for pid in self.pids(name):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    # -- sshd --------------------------------------------------------------------------------------
+
+    def start_sshd(self, name: str, authorized_keys: Path | None = None, strict_modes: bool = False) -> None:
+        node_dir = self.workdir / name
+        node_dir.mkdir(exist_ok=True)
+        pid_file = node_dir / "sshd.pid"
+        if pid_file.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGTERM)
+            pid_file.unlink(missing_ok=True)
+            time.sleep(0.3)
+        config = node_dir / "sshd_config"
+        config.write_text(
+            "\n".join(
+                [
+                    "Port 22",
+                    f"ListenAddress {self.address[name]}",
+                    f"HostKey {self.workdir / 'host_ed25519'}",
+                    f"PidFile {pid_file}",
+                    f"AuthorizedKeysFile {authorized_keys or self.workdir / 'authorized_keys'}",
+                    "PermitRootLogin prohibit-password",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "UsePAM no",
+                    f"StrictModes {'yes' if strict_modes else 'no'}",
+                    "",
+                ]
+            )
+        )
+        Path("/run/sshd").mkdir(exist_ok=True)
+        result = self.run(
+            name, ["/usr/sbin/sshd", "-f", str(config), "-E", str(node_dir / "sshd.log")], timeout=30
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"sshd on {name} did not start: {result.stderr}")
+        deadline = time.monotonic() + 10
+        while not pid_file.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sshd on {name} wrote no pid file: {(node_dir / 'sshd.log').read_text()}")
+            time.sleep(0.05)
+
+    # -- set-up steps ------------------------------------------------------------------------------
+
+    def _network(self) -> None:
+        for name in self.names:
+            subprocess.run(["ip", "netns", "del", self.netns[name]], check=False, capture_output=True)
+            _ip("netns", "add", self.netns[name])
+            _ip("-n", self.netns[name], "link", "set", "lo", "up")
+        a, b = self._veth
+        _ip("link", "add", a, "type", "veth", "peer", "name", b)
+        for veth, name in zip(self._veth, self.names, strict=False):
+            _ip("link", "set", veth, "netns", self.netns[name])
+            _ip("-n", self.netns[name], "addr", "add", f"{self.address[name]}/24", "dev", veth)
+            _ip("-n", self.netns[name], "link", "set", veth, "up")
+        entries = [f"{address} {name}" for name, address in self.address.items()]
+        self.hosts_file.write_text("\n".join(["127.0.0.1 localhost", *entries, f"{SUBNET}.3 node3", ""]))
+
+    def _keys(self) -> None:
+        for path in (self.workdir / "host_ed25519", self.key, self.workdir / "stranger_ed25519"):
+            if not path.exists():
+                subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+        shutil.copy(self.key.with_suffix(".pub"), self.workdir / "authorized_keys")
+        self.ssh_config.write_text(self.client_config(self.key))
+        (self.workdir / "stranger_config").write_text(self.client_config(self.workdir / "stranger_ed25519"))
+
+    def client_config(self, key: Path) -> str:
+        # Throwaway hosts with fresh host keys: the harness, not the product, skips host-key checks.
+        return "\n".join(
+            [
+                "Host *",
+                "  User root",
+                f"  IdentityFile {key}",
+                "  IdentitiesOnly yes",
+                "  StrictHostKeyChecking no",
+                "  UserKnownHostsFile /dev/null",
+                "  LogLevel ERROR",
+                "",
+            ]
+        )
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)

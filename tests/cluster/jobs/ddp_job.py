@@ -1,0 +1,62 @@
+"""A small engine job for the cluster tests: trains, then records what each rank ended with.
+
+ddp_job.py OUT_DIR [--steps N] [--die-rank R --die-step S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import socket
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import spikingsail
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--die-rank", type=int, default=-1)
+    parser.add_argument("--die-step", type=int, default=3)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "sail": {"progress_bar": False},
+    }
+    engine, _ = spikingsail.initialize(model=model, config=config)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"started{engine.rank}").touch()
+    g = torch.Generator().manual_seed(100 + engine.rank)
+    for step in range(args.steps):
+        if engine.rank == args.die_rank and step == args.die_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        engine.backward(F.cross_entropy(engine(x), y))
+        engine.step()
+    digest = hashlib.sha256(
+        b"".join(p.detach().numpy().tobytes() for p in engine.module.parameters())
+    ).hexdigest()
+    record = {
+        "rank": engine.rank,
+        "world_size": engine.world_size,
+        "host": socket.gethostname(),
+        "digest": digest,
+        "source": engine.rank_info.source,
+        "steps": engine.global_steps,
+    }
+    (args.out / f"rank{engine.rank}.json").write_text(json.dumps(record))
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

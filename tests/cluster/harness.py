@@ -175,3 +175,35 @@ class NamespaceCluster:
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m tests.cluster.harness CMD...``: run CMD on node1 of a fresh two-node cluster.
+
+    ``{hostfile}`` and ``{ssh_config}`` in CMD are replaced by the cluster's files.
+    """
+    import sys
+    import tempfile
+
+    workdir = Path(tempfile.mkdtemp(prefix="sail-cluster-"))
+    cluster = NamespaceCluster(workdir)
+    hostfile = workdir / "hostfile"
+    hostfile.write_text("node1 slots=1\nnode2 slots=1\n")
+    command = [a.format(hostfile=hostfile, ssh_config=cluster.ssh_config) for a in argv]
+    try:
+        cluster.start()
+        print(
+            f"[cluster] node1 {cluster.address['node1']}, node2 {cluster.address['node2']}; on node1: "
+            + " ".join(command),
+            flush=True,
+        )
+        return subprocess.run(cluster.node_argv("node1", command), check=False, stdin=sys.stdin).returncode
+    finally:
+        cluster.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -14,6 +14,7 @@ from spikingsail.engine.engine import Engine
 from spikingsail.engine.initialize import SpikingSail, add_config_arguments, initialize
 from spikingsail.environments import RankInfo, discover_rank_info
 from spikingsail.errors import BackendError, ConfigError, LaunchError, RankDiscoveryError, SailError
+from spikingsail.launchers.spawn import spawn
 
 __version__ = "0.1.0"
 
@@ -31,4 +32,5 @@ __all__ = [
     "discover_rank_info",
     "initialize",
     "load_config",
+    "spawn",
 ]

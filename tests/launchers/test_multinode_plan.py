@@ -127,3 +127,43 @@ def test_flags_that_need_hosts(job: Path) -> None:
         parse_request(["--include", "node1", "train.py"])
     with pytest.raises(LaunchError, match="-H nohostfile: no such hostfile"):
         parse_request(["-H", "nohostfile", "train.py"])
+
+
+PLATFORM = {"MASTER_ADDR": "10.1.0.7", "MASTER_PORT": "23456", "RANK": "1", "WORLD_SIZE": "3"}
+
+
+def test_platform_variables_make_this_node_rank_of_world_size(
+    job: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in PLATFORM.items():
+        monkeypatch.setenv(key, value)
+    request = parse_request(["--nproc-per-node", "4", "train.py"])
+    assert request.torchrun_args == [
+        "--nnodes",
+        "3",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "10.1.0.7",
+        "--master-port",
+        "23456",
+        "--nproc-per-node",
+        "4",
+    ]
+
+
+def test_standalone_ignores_platform_variables(job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in PLATFORM.items():
+        monkeypatch.setenv(key, value)
+    assert parse_request(["--standalone", "-n", "2", "train.py"]).torchrun_args == [
+        "--nproc-per-node",
+        "2",
+        "--standalone",
+    ]
+
+
+def test_bad_platform_node_rank(job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in {**PLATFORM, "RANK": "3"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(LaunchError, match="node RANK=3 of WORLD_SIZE=3"):
+        parse_request(["train.py"])

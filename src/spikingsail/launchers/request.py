@@ -8,6 +8,7 @@ launchers (``-H``, ``--include``, ``--exclude``, ``--num_nodes``, ``--num_gpus``
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from torch.distributed.run import get_args_parser
 
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.hostfile import Node, distribute, parse_host_list, parse_hostfile, select_nodes
+from spikingsail.launchers.platform import platform_flags
 from spikingsail.launchers.remote_env import explicit_env
 
 # SpikingSail's flags and how many values each takes; they never reach torchrun.
@@ -30,6 +32,8 @@ _PER_NODE_FLAGS = {
     "--node-rank": 1, "--node_rank": 1, "--master-addr": 1, "--master_addr": 1, "--master-port": 1,
     "--master_port": 1,
 }  # fmt: skip
+# Flags with which the user chooses the rendezvous; any of them turns platform mode off.
+_RENDEZVOUS_FLAGS = tuple(f for f in _PER_NODE_FLAGS if "nproc" not in f)
 LAUNCHERS = ("local", "ssh", "pdsh")
 
 
@@ -112,7 +116,10 @@ def parse_request(argv: list[str]) -> LaunchRequest:
     if launcher == "local":
         if _flag_name_in(argv[:split], ("-n",)):
             head = ["--nproc-per-node", str(ns.nproc_per_node), *head]
-        if _single_node(ns, head):
+        platform = None if _flag_name_in(head, _RENDEZVOUS_FLAGS) else platform_flags(os.environ)
+        if platform:
+            head = [*platform, *head]
+        elif _single_node(ns, head):
             # torchrun's default static rendezvous binds port 29500: two jobs on one machine
             # would collide. --standalone picks a free port for a single-node job.
             head = ["--standalone", *head]

@@ -7,6 +7,7 @@ from typing import Protocol
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.local import LocalLauncher
+from spikingsail.launchers.mpirun import MpirunLauncher
 from spikingsail.launchers.pdsh import PdshLauncher
 from spikingsail.launchers.request import LaunchRequest
 from spikingsail.launchers.ssh import SSHLauncher
@@ -22,8 +23,13 @@ _LAUNCHERS: dict[str, type[Launcher]] = {
     "local": LocalLauncher,
     "ssh": SSHLauncher,
     "pdsh": PdshLauncher,
+    "mpirun": MpirunLauncher,
 }
-_INSTALL = {"ssh": "apt-get install openssh-client", "pdsh": "apt-get install pdsh"}
+_INSTALL = {
+    "ssh": "apt-get install openssh-client",
+    "pdsh": "apt-get install pdsh",
+    "mpirun": "apt-get install openmpi-bin",
+}
 
 
 def plan(request: LaunchRequest) -> list[LaunchCommand]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,7 @@ _OWN_FLAGS = {
     "-n": 1, "--dry-run": 0, "-H": 1, "--hostfile": 1, "-np": 1, "--include": 1, "--exclude": 1,
     "--num_nodes": 1, "--num-nodes": 1, "--num_gpus": 1, "--num-gpus": 1, "--launcher": 1,
     "--ssh-port": 1, "--ssh-user": 1, "--ssh-config": 1, "--connect-timeout": 1, "--env": 1,
+    "--launcher-args": 1, "--launcher_args": 1,
 }  # fmt: skip
 # torchrun flags a multi-node launcher sets itself for every node.
 _PER_NODE_FLAGS = {
@@ -34,7 +36,7 @@ _PER_NODE_FLAGS = {
 }  # fmt: skip
 # Flags with which the user chooses the rendezvous; any of them turns platform mode off.
 _RENDEZVOUS_FLAGS = tuple(f for f in _PER_NODE_FLAGS if "nproc" not in f)
-LAUNCHERS = ("local", "ssh", "pdsh")
+LAUNCHERS = ("local", "ssh", "pdsh", "mpirun")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -70,6 +72,8 @@ class LaunchRequest:
     master_port: int = 29500
     ssh: SSHOptions = field(default_factory=SSHOptions)
     env: dict[str, str] = field(default_factory=dict)
+    launcher_args: list[str] = field(default_factory=list)
+    """Extra arguments for the transport itself (e.g. mpirun's --mca settings)."""
     dry_run: bool = False
 
 
@@ -96,6 +100,13 @@ def parser() -> argparse.ArgumentParser:
     own.add_argument("--ssh-config", help="ssh client config file (ssh -F)")
     own.add_argument("--connect-timeout", type=int, default=10, help="seconds to reach a host before failing")
     own.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="set on every node")
+    own.add_argument(
+        "--launcher-args",
+        "--launcher_args",
+        dest="launcher_args",
+        default="",
+        help="extra arguments for the launcher command (mpirun), as one string",
+    )
     return p
 
 
@@ -139,6 +150,7 @@ def parse_request(argv: list[str]) -> LaunchRequest:
             port=ns.ssh_port, user=ns.ssh_user, config=ns.ssh_config, connect_timeout=ns.connect_timeout
         ),
         env=explicit_env(ns.env),
+        launcher_args=shlex.split(ns.launcher_args),
         dry_run=ns.dry_run,
     )
 

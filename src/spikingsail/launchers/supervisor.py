@@ -51,6 +51,12 @@ class Failure:
     tail: list[str]
 
     def describe(self) -> str:
+        mpi = _MPI_SIGNAL.search("\n".join(self.tail)) or _MPI_EXIT.search("\n".join(self.tail))
+        if mpi is not None:
+            where = f"node {mpi['host']}, " if "host" in mpi.groupdict() else ""
+            detail = f"{where}rank {mpi['rank']} exited with {mpi['what']}"
+            shown = "\n".join(f"    {line}" for line in self.tail[-12:])
+            return f"mpirun failed (exit status {self.exit_code}): {detail}; its last output:\n{shown}"
         # Under pdsh one stream carries every node's summary; the earliest failure is the cause,
         # the others are ranks that lost their peers.
         causes = sorted(_ROOT_CAUSE.finditer("\n".join(self.tail)), key=lambda m: m["time"])
@@ -62,6 +68,13 @@ class Failure:
             detail += f" {cause['signal']}" if cause["signal"] else ""
         shown = "\n".join(f"    {line}" for line in self.tail[-12:])
         return f"node {host} failed (agent exit status {self.exit_code}){detail}; its last output:\n{shown}"
+
+
+# mpirun's reports of the first failed rank.
+_MPI_SIGNAL = re.compile(
+    r"process rank (?P<rank>\d+) with PID \d+ on node (?P<host>\S+) exited on (?P<what>signal \d+[^\n]*)"
+)
+_MPI_EXIT = re.compile(r"Process name:\s*\[\[\d+,\d+\],(?P<rank>\d+)\]\s*\n\s*Exit code:\s*(?P<what>-?\d+)")
 
 
 def supervise(commands: list[LaunchCommand]) -> tuple[int, Failure | None]:

@@ -20,3 +20,10 @@ def cluster() -> Iterator[NamespaceCluster]:
         yield test_cluster
     finally:
         test_cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm(cluster: NamespaceCluster) -> NamespaceCluster:
+    """The same two nodes with munge, slurmctld (node1) and a slurmd on each node."""
+    cluster.start_slurm()
+    return cluster

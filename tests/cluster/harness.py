@@ -52,6 +52,9 @@ class NamespaceCluster:
             self.start_sshd(name)
 
     def stop(self) -> None:
+        for pid_file in self.workdir.glob("slurm/*.pid"):
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
         for name in self.names:
             self.kill_namespace_processes(name)
             subprocess.run(["ip", "netns", "del", self.netns[name]], check=False, capture_output=True)
@@ -133,6 +136,76 @@ class NamespaceCluster:
                 raise RuntimeError(f"sshd on {name} wrote no pid file: {(node_dir / 'sshd.log').read_text()}")
             time.sleep(0.05)
 
+    # -- SLURM -------------------------------------------------------------------------------------
+
+    @property
+    def slurm_conf(self) -> Path:
+        return self.workdir / "slurm" / "slurm.conf"
+
+    def slurm_env(self) -> dict[str, str]:
+        return {**os.environ, "SLURM_CONF": str(self.slurm_conf)}
+
+    def start_slurm(self) -> None:
+        """munge, slurmctld on node1 and a slurmd on every node (2 CPUs each), one partition."""
+        missing = [
+            t
+            for t in ("/usr/sbin/munged", "/usr/sbin/slurmctld", "/usr/sbin/slurmd", "srun")
+            if not shutil.which(t)
+        ]
+        if missing:
+            raise ClusterUnavailableError(f"SLURM tests need munge and slurm-wlm; missing {missing}")
+        state = self.workdir / "slurm"
+        state.mkdir(exist_ok=True)
+        _start_munge()
+        nodes = [
+            f"NodeName={n} NodeAddr={self.address[n]} CPUs=2 RealMemory=1000 State=UNKNOWN"
+            for n in self.names
+        ]
+        self.slurm_conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=sail",
+                    f"SlurmctldHost={self.names[0]}({self.address[self.names[0]]})",
+                    "SlurmUser=root",
+                    "AuthType=auth/munge",
+                    f"StateSaveLocation={state}/ctld",
+                    f"SlurmdSpoolDir={state}/spool-%n",
+                    f"SlurmctldPidFile={state}/slurmctld.pid",
+                    f"SlurmdPidFile={state}/slurmd-%n.pid",
+                    f"SlurmctldLogFile={state}/slurmctld.log",
+                    f"SlurmdLogFile={state}/slurmd-%n.log",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_Core",
+                    "MpiDefault=none",
+                    "ReturnToService=2",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    "AccountingStorageType=accounting_storage/none",
+                    "SchedulerType=sched/backfill",
+                    "KillWait=5",
+                    *nodes,
+                    f"PartitionName=debug Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE State=UP",
+                    "",
+                ]
+            )
+        )
+        (state / "ctld").mkdir(exist_ok=True)
+        env = self.slurm_env()
+        _checked(
+            self.run(self.names[0], ["/usr/sbin/slurmctld", "-f", str(self.slurm_conf), "-c", "-i"], env=env)
+        )
+        for name in self.names:
+            _checked(self.run(name, ["/usr/sbin/slurmd", "-f", str(self.slurm_conf)], env=env))
+        deadline = time.monotonic() + 30
+        while True:
+            out = self.run(self.names[0], ["sinfo", "-h", "-o", "%T %D"], env=env).stdout.split()
+            if out[:2] == ["idle", str(len(self.names))]:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"SLURM nodes did not become idle: {out}; see {state}")
+            time.sleep(0.3)
+
     # -- set-up steps ------------------------------------------------------------------------------
 
     def _network(self) -> None:
@@ -171,6 +244,20 @@ class NamespaceCluster:
                 "",
             ]
         )
+
+
+def _start_munge() -> None:
+    """One munged serves every node: the namespaces share the filesystem and its socket."""
+    if subprocess.run(["pgrep", "-x", "munged"], capture_output=True, check=False).returncode == 0:
+        return
+    Path("/run/munge").mkdir(exist_ok=True)
+    shutil.chown("/run/munge", "munge", "munge")
+    subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
+
+
+def _checked(result: subprocess.CompletedProcess[str]) -> None:
+    if result.returncode != 0:
+        raise RuntimeError(f"{result.args[-4:]} failed: {result.stderr}")
 
 
 def _ip(*args: str) -> None:

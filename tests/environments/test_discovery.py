@@ -18,6 +18,7 @@ TORCHRUN = {
 }
 SLURM = {
     "SLURM_PROCID": "3",
+    "SLURM_STEP_ID": "0",
     "SLURM_LOCALID": "1",
     "SLURM_NTASKS": "4",
     "SLURM_NODEID": "1",
@@ -60,8 +61,9 @@ def test_slurm_master_can_be_overridden() -> None:
     assert (info.master_addr, info.master_port) == ("login", 23445)
 
 
-def test_slurm_interactive_shell_is_a_single_process() -> None:
-    assert discover_rank_info({**SLURM, "SLURM_JOB_NAME": "bash"}).source == "single"
+def test_slurm_batch_script_itself_is_a_single_process() -> None:
+    batch_step = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
+    assert discover_rank_info(batch_step).source == "single"
 
 
 def test_openmpi() -> None:

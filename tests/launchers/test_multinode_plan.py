@@ -167,3 +167,67 @@ def test_bad_platform_node_rank(job: Path, monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.setenv(key, value)
     with pytest.raises(LaunchError, match="node RANK=3 of WORLD_SIZE=3"):
         parse_request(["train.py"])
+
+
+ALLOCATION = {
+    "SLURM_JOB_ID": "77",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_GPUS_ON_NODE": "4",
+}
+
+
+def test_inside_an_allocation_srun_starts_one_agent_per_node(
+    job: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in ALLOCATION.items():
+        monkeypatch.setenv(key, value)
+    (command,) = plan(parse_request(["--max-restarts", "1", "train.py", "--epochs", "3"]))
+    assert command.argv == [
+        "srun",
+        "--nodes",
+        "2",
+        "--ntasks-per-node",
+        "1",
+        "--kill-on-bad-exit=1",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "4",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "gpu07:29500",
+        "--rdzv-id",
+        "77",
+        "--max-restarts",
+        "1",
+        "train.py",
+        "--epochs",
+        "3",
+    ]
+
+
+def test_dist_init_slurm_starts_one_task_per_process(job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in ALLOCATION.items():
+        monkeypatch.setenv(key, value)
+    (command,) = plan(parse_request(["--dist-init-method", "slurm", "--nproc-per-node", "2", "train.py"]))
+    assert command.argv == [
+        "srun",
+        "--nodes",
+        "2",
+        "--ntasks-per-node",
+        "2",
+        "--kill-on-bad-exit=1",
+        sys.executable,
+        "-u",
+        "train.py",
+    ]
+
+
+def test_slurm_launcher_outside_an_allocation(job: Path) -> None:
+    with pytest.raises(LaunchError, match="--launcher slurm outside a SLURM allocation"):
+        parse_request(["--launcher", "slurm", "train.py"])

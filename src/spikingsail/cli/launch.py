@@ -26,14 +26,12 @@ def run(argv: list[str]) -> int:
         (command,) = commands
         log.info("launching %s process(es): %s", request.nproc_per_node, command.render())
         return run_local(command)
-    assert request.nodes is not None
-    check_hosts([n.host for n in request.nodes], request.ssh)
-    log.info(
-        "launching on %d node(s) with %s: %s",
-        len(request.nodes),
-        request.launcher,
-        ", ".join(f"{n.host}×{n.nproc}" for n in request.nodes),
-    )
+    if request.nodes:
+        check_hosts([n.host for n in request.nodes], request.ssh)
+        hosts = ", ".join(f"{n.host}×{n.nproc}" for n in request.nodes)
+        log.info("launching on %d node(s) with %s: %s", len(request.nodes), request.launcher, hosts)
+    else:
+        log.info("launching with %s: %s", request.launcher, commands[0].render())
     status, failure = supervise(commands)
     if failure is not None:
         print(

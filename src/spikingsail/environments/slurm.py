@@ -9,21 +9,16 @@ import hostlist
 from spikingsail.environments.base import ClusterEnvironment, RankInfo, int_var, port_var
 from spikingsail.errors import RankDiscoveryError
 
-# Interactive allocations (salloc, srun --pty bash) export SLURM_* variables too; a script run
-# by hand there is a single process, not a task of a distributed step.
-_INTERACTIVE_JOB_NAMES = frozenset({"bash", "interactive", "sh", "zsh"})
-
 
 class SlurmEnvironment(ClusterEnvironment):
     name = "slurm"
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
-        return (
-            "SLURM_PROCID" in env
-            and "SLURM_NTASKS" in env
-            and env.get("SLURM_JOB_NAME", "") not in _INTERACTIVE_JOB_NAMES
-        )
+        # SLURM_STEP_ID marks a task that srun started. A batch script also has SLURM_PROCID=0
+        # and SLURM_NTASKS=N, and salloc's shell has SLURM_NTASKS=N, but each is one process:
+        # taking it for rank 0 of N would hang.
+        return "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env
 
     def read(self, env: Mapping[str, str]) -> RankInfo:
         world_size = int_var(env, "SLURM_NTASKS", self.name)
@@ -62,3 +57,8 @@ class SlurmEnvironment(ClusterEnvironment):
         counts = hostlist.parse_slurm_tasks_per_node(spec)
         node = int(env.get("SLURM_NODEID", "0"))
         return int(counts[node]) if node < len(counts) else world_size
+
+
+def in_allocation(env: Mapping[str, str]) -> bool:
+    """Inside salloc or an sbatch script, but not inside a task that srun already started."""
+    return "SLURM_JOB_ID" in env and "SLURM_STEP_ID" not in env

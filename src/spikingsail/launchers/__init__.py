@@ -10,6 +10,7 @@ from spikingsail.launchers.local import LocalLauncher
 from spikingsail.launchers.mpirun import MpirunLauncher
 from spikingsail.launchers.pdsh import PdshLauncher
 from spikingsail.launchers.request import LaunchRequest
+from spikingsail.launchers.slurm import SlurmLauncher
 from spikingsail.launchers.ssh import SSHLauncher
 
 
@@ -24,11 +25,13 @@ _LAUNCHERS: dict[str, type[Launcher]] = {
     "ssh": SSHLauncher,
     "pdsh": PdshLauncher,
     "mpirun": MpirunLauncher,
+    "slurm": SlurmLauncher,
 }
 _INSTALL = {
     "ssh": "apt-get install openssh-client",
     "pdsh": "apt-get install pdsh",
     "mpirun": "apt-get install openmpi-bin",
+    "slurm": "apt-get install slurm-client",
 }
 
 

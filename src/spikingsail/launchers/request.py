@@ -15,6 +15,7 @@ from pathlib import Path
 
 from torch.distributed.run import get_args_parser
 
+from spikingsail.environments.slurm import in_allocation
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.hostfile import Node, distribute, parse_host_list, parse_hostfile, select_nodes
 from spikingsail.launchers.platform import platform_flags
@@ -25,7 +26,7 @@ _OWN_FLAGS = {
     "-n": 1, "--dry-run": 0, "-H": 1, "--hostfile": 1, "-np": 1, "--include": 1, "--exclude": 1,
     "--num_nodes": 1, "--num-nodes": 1, "--num_gpus": 1, "--num-gpus": 1, "--launcher": 1,
     "--ssh-port": 1, "--ssh-user": 1, "--ssh-config": 1, "--connect-timeout": 1, "--env": 1,
-    "--launcher-args": 1, "--launcher_args": 1,
+    "--launcher-args": 1, "--launcher_args": 1, "--dist-init-method": 1, "--dist_init_method": 1,
 }  # fmt: skip
 # torchrun flags a multi-node launcher sets itself for every node.
 _PER_NODE_FLAGS = {
@@ -36,7 +37,7 @@ _PER_NODE_FLAGS = {
 }  # fmt: skip
 # Flags with which the user chooses the rendezvous; any of them turns platform mode off.
 _RENDEZVOUS_FLAGS = tuple(f for f in _PER_NODE_FLAGS if "nproc" not in f)
-LAUNCHERS = ("local", "ssh", "pdsh", "mpirun")
+LAUNCHERS = ("local", "ssh", "pdsh", "mpirun", "slurm")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -73,7 +74,11 @@ class LaunchRequest:
     ssh: SSHOptions = field(default_factory=SSHOptions)
     env: dict[str, str] = field(default_factory=dict)
     launcher_args: list[str] = field(default_factory=list)
-    """Extra arguments for the transport itself (e.g. mpirun's --mca settings)."""
+    """Extra arguments for the transport itself (e.g. mpirun's --mca settings, srun's options)."""
+    dist_init_method: str = "torchrun"
+    """slurm: srun starts one task per process instead of one torchrun agent per node."""
+    explicit_nproc: bool = False
+    explicit_master_port: bool = False
     dry_run: bool = False
 
 
@@ -105,7 +110,15 @@ def parser() -> argparse.ArgumentParser:
         "--launcher_args",
         dest="launcher_args",
         default="",
-        help="extra arguments for the launcher command (mpirun), as one string",
+        help="extra arguments for the launcher command (mpirun, srun), as one string",
+    )
+    own.add_argument(
+        "--dist-init-method",
+        "--dist_init_method",
+        dest="dist_init_method",
+        default="torchrun",
+        choices=("torchrun", "slurm"),
+        help="under SLURM: one torchrun agent per node (torchrun) or one srun task per process (slurm)",
     )
     return p
 
@@ -119,10 +132,20 @@ def parse_request(argv: list[str]) -> LaunchRequest:
     )
     _check_script(ns)
     nodes = _nodes(ns)
-    launcher = ns.launcher or ("ssh" if nodes else "local")
-    if launcher != "local" and not nodes:
+    launcher = ns.launcher or ("ssh" if nodes else "slurm" if in_allocation(os.environ) else "local")
+    if launcher not in ("local", "slurm") and not nodes:
         raise LaunchError(
             f"--launcher {launcher} needs hosts", fix="pass -H hostfile (or -H host1:2,host2:2)"
+        )
+    if launcher == "slurm" and not in_allocation(os.environ):
+        raise LaunchError(
+            "--launcher slurm outside a SLURM allocation",
+            "srun needs an allocation (SLURM_JOB_ID) to start the job in",
+            "run inside salloc or an sbatch script, or use `sail submit` to write and submit one",
+        )
+    if ns.dist_init_method == "slurm" and launcher != "slurm":
+        raise LaunchError(
+            "--dist-init-method slurm needs a SLURM allocation", fix="run it inside salloc or sbatch"
         )
     if launcher == "local":
         if _flag_name_in(argv[:split], ("-n",)):
@@ -151,6 +174,9 @@ def parse_request(argv: list[str]) -> LaunchRequest:
         ),
         env=explicit_env(ns.env),
         launcher_args=shlex.split(ns.launcher_args),
+        dist_init_method=ns.dist_init_method,
+        explicit_nproc=explicit_nproc,
+        explicit_master_port=_flag_name_in(argv[:split], ("--master-port", "--master_port")),
         dry_run=ns.dry_run,
     )
 

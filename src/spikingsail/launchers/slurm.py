@@ -1,0 +1,98 @@
+"""SLURM: inside an allocation, srun starts the job on every allocated node.
+
+Two modes, as in seed 002:
+
+- ``torchrun`` (default): srun starts one torchrun agent per node; the agents meet in a c10d
+  rendezvous on the first host of the allocation, with the job id as rendezvous id.
+- ``slurm`` (``--dist-init-method slurm``): srun starts one task per process (per GPU) and each
+  task takes its rank from SLURM_PROCID / SLURM_LOCALID; no torchrun.
+
+The same argv builders write the ``srun`` line of ``sail submit``'s sbatch scripts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import hostlist
+
+from spikingsail.errors import LaunchError
+from spikingsail.launchers.command import LaunchCommand
+from spikingsail.launchers.request import LaunchRequest
+
+DIST_INIT_METHODS = ("torchrun", "slurm")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Allocation:
+    job_id: str
+    nodes: int
+    first_host: str
+    gpus_per_node: int | None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Allocation:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+        try:
+            hosts = hostlist.expand_hostlist(nodelist)
+        except hostlist.BadHostlist:
+            hosts = []
+        if not hosts:
+            raise LaunchError(
+                f"SLURM allocation {env.get('SLURM_JOB_ID')} has no readable node list ({nodelist!r})"
+            )
+        gpus = env.get("SLURM_GPUS_PER_TASK") or env.get("SLURM_GPUS_ON_NODE")
+        return cls(
+            job_id=env["SLURM_JOB_ID"],
+            nodes=int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or len(hosts)),
+            first_host=str(hosts[0]),
+            gpus_per_node=int(gpus) if gpus and gpus.isdigit() else None,
+        )
+
+
+def torchrun_step(request: LaunchRequest, nnodes: str, nproc: str, endpoint: str, run_id: str) -> list[str]:
+    """srun with one torchrun agent per node."""
+    return [
+        "srun", "--nodes", nnodes, "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", nnodes, "--nproc-per-node", nproc,
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+        *request.torchrun_args, request.script, *request.script_args,
+    ]  # fmt: skip
+
+
+def task_step(request: LaunchRequest, nnodes: str, nproc: str) -> list[str]:
+    """srun with one task per process; ranks from SLURM_PROCID."""
+    return [
+        "srun", "--nodes", nnodes, "--ntasks-per-node", nproc, "--kill-on-bad-exit=1",
+        *request.launcher_args, sys.executable, "-u", request.script, *request.script_args,
+    ]  # fmt: skip
+
+
+class SlurmLauncher:
+    name = "slurm"
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        self.env = os.environ if env is None else env
+
+    @staticmethod
+    def exists() -> bool:
+        return shutil.which("srun") is not None
+
+    def commands(self, request: LaunchRequest) -> list[LaunchCommand]:
+        allocation = Allocation.from_env(self.env)
+        nproc = request.nproc_per_node if request.explicit_nproc else str(allocation.gpus_per_node or 1)
+        nnodes = str(allocation.nodes)
+        if request.dist_init_method == "slurm":
+            argv = task_step(request, nnodes, nproc)
+            env = {"MASTER_PORT": str(request.master_port)} if request.explicit_master_port else {}
+        else:
+            endpoint = request.rdzv_endpoint or f"{allocation.first_host}:{request.master_port}"
+            argv = [*torchrun_step(request, nnodes, nproc, endpoint, request.rdzv_id or allocation.job_id)]
+            argv[1:1] = request.launcher_args
+            env = {}
+        return [LaunchCommand(host=f"slurm job {allocation.job_id}", argv=argv, env=env)]

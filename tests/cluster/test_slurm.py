@@ -1,0 +1,77 @@
+"""SLURM on two real nodes (munge, slurmctld, two slurmd): srun in both of seed 002's modes, and sbatch."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.harness import NamespaceCluster
+from tests.cluster.test_ssh_pdsh import JOB, SAIL, assert_no_job_left
+
+pytestmark = pytest.mark.cluster
+
+
+def records(tmp_path: Path) -> list[dict[str, object]]:
+    return [json.loads(p.read_text()) for p in sorted((tmp_path / "out").glob("rank*.json"))]
+
+
+@pytest.mark.parametrize(("mode", "source"), [("torchrun", "torchrun"), ("slurm", "slurm")])
+def test_sail_launch_inside_an_allocation(
+    slurm: NamespaceCluster, tmp_path: Path, mode: str, source: str
+) -> None:
+    argv = [
+        "salloc",
+        "-N",
+        "2",
+        "--ntasks-per-node",
+        "1",
+        *SAIL,
+        "--dist-init-method",
+        mode,
+        str(JOB),
+        str(tmp_path / "out"),
+    ]
+    result = slurm.run("node1", argv, cwd=tmp_path, env=slurm.slurm_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = records(tmp_path)
+    assert [(r["rank"], r["host"], r["world_size"], r["source"]) for r in ranks] == [
+        (0, "node1", 2, source),
+        (1, "node2", 2, source),
+    ]
+    assert ranks[0]["digest"] == ranks[1]["digest"]
+    assert_no_job_left(slurm)
+
+
+def test_a_failing_task_ends_the_step(slurm: NamespaceCluster, tmp_path: Path) -> None:
+    argv = [
+        "salloc",
+        "-N",
+        "2",
+        "--ntasks-per-node",
+        "1",
+        *SAIL,
+        "--dist-init-method",
+        "slurm",
+        str(JOB),
+        str(tmp_path / "out"),
+        "--steps",
+        "500",
+        "--die-rank",
+        "1",
+    ]
+    result = slurm.run("node1", argv, cwd=tmp_path, env=slurm.slurm_env())
+    assert result.returncode != 0
+    assert records(tmp_path) == []
+    assert_no_job_left(slurm)
+
+
+def test_python_directly_in_a_batch_step_is_one_process(slurm: NamespaceCluster, tmp_path: Path) -> None:
+    script = tmp_path / "direct.sh"
+    script.write_text(f"#!/bin/bash\n{sys.executable} {JOB} {tmp_path / 'out'}\n")
+    argv = ["salloc", "-N", "2", "--ntasks-per-node", "1", "bash", str(script)]
+    result = slurm.run("node1", argv, cwd=tmp_path, env=slurm.slurm_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [(r["rank"], r["world_size"], r["source"]) for r in records(tmp_path)] == [(0, 1, "single")]

@@ -75,3 +75,45 @@ def test_python_directly_in_a_batch_step_is_one_process(slurm: NamespaceCluster,
     result = slurm.run("node1", argv, cwd=tmp_path, env=slurm.slurm_env())
     assert result.returncode == 0, result.stderr[-3000:]
     assert [(r["rank"], r["world_size"], r["source"]) for r in records(tmp_path)] == [(0, 1, "single")]
+
+
+SUBMIT = [sys.executable, "-m", "spikingsail.cli.main", "submit"]
+
+
+def test_sail_submit_runs_the_job_through_sbatch(slurm: NamespaceCluster, tmp_path: Path) -> None:
+    argv = [*SUBMIT, "-N", "2", "-J", "sailtest", "--wait", str(JOB), str(tmp_path / "out")]
+    result = slurm.run("node1", argv, cwd=tmp_path, env=slurm.slurm_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ended: COMPLETED, exit status 0" in result.stdout
+    assert (tmp_path / "sailtest.sbatch").read_text().startswith("#!/bin/bash")
+    ranks = records(tmp_path)
+    assert [(r["rank"], r["host"], r["source"]) for r in ranks] == [
+        (0, "node1", "torchrun"),
+        (1, "node2", "torchrun"),
+    ]
+    assert ranks[0]["digest"] == ranks[1]["digest"]
+    assert_no_job_left(slurm)
+
+
+def test_sail_submit_reports_a_failed_job(slurm: NamespaceCluster, tmp_path: Path) -> None:
+    argv = [
+        *SUBMIT,
+        "-N",
+        "2",
+        "-J",
+        "sailfail",
+        "--dist-init-method",
+        "slurm",
+        "--wait",
+        str(JOB),
+        str(tmp_path / "out"),
+        "--steps",
+        "500",
+        "--die-rank",
+        "1",
+    ]
+    result = slurm.run("node1", argv, cwd=tmp_path, env=slurm.slurm_env())
+    assert result.returncode != 0
+    assert "ended: FAILED" in result.stdout, result.stdout + result.stderr
+    assert records(tmp_path) == []
+    assert_no_job_left(slurm)

@@ -224,6 +224,8 @@ def test_dist_init_slurm_starts_one_task_per_process(job: Path, monkeypatch: pyt
         "--kill-on-bad-exit=1",
         sys.executable,
         "-u",
+        "-m",
+        "spikingsail.launchers.as_torchrun",
         "train.py",
     ]
 

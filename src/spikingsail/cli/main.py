@@ -13,7 +13,9 @@ _USAGE = f"""usage: sail <command> [options]
 SpikingSail {__version__}: distributed training of conventional and spiking PyTorch networks.
 
 commands:
-  launch     start a training script on this machine under torchrun (sail launch -n 2 train.py ...)
+  launch     start a training script under torchrun: here (-n 2), on a hostfile's nodes (-H), with
+             mpirun, or with srun inside a SLURM allocation
+  submit     write an sbatch script for a training script and submit it to SLURM
 
 Run `sail <command> --help` for a command's options.
 """
@@ -34,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
             from spikingsail.cli import launch
 
             return launch.run(rest)
+        if command == "submit":
+            from spikingsail.cli import submit
+
+            return submit.run(rest)
     except SailError as err:
         print(f"sail {command}: {err}", file=sys.stderr)
         return 2

@@ -1,8 +1,9 @@
 """Open MPI's mpirun: one process per slot, started by mpirun's own daemons over ssh.
 
 There is no torchrun agent here: ranks come from OMPI_COMM_WORLD_* and the engine's process group
-meets at MASTER_ADDR (the first host) and MASTER_PORT, exported to every rank with ``-x``. mpirun
-stops every rank when one fails.
+meets at MASTER_ADDR (the first host) and MASTER_PORT, exported to every rank with ``-x``; a plain
+torchrun script gets torchrun's variables too (``as_torchrun``). mpirun stops every rank when one
+fails.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import sys
 
 from spikingsail.errors import LaunchError
+from spikingsail.launchers.as_torchrun import shimmed
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.remote_env import remote_env
 from spikingsail.launchers.request import LaunchRequest
@@ -50,5 +51,5 @@ class MpirunLauncher:
         ]  # fmt: skip
         for key, value in sorted(env.items()):
             argv += ["-x", f"{key}={value}"]
-        argv += [*request.launcher_args, sys.executable, "-u", request.script, *request.script_args]
+        argv += [*request.launcher_args, *shimmed(request)]
         return [LaunchCommand(host=",".join(n.host for n in request.nodes), argv=argv)]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import hostlist
 
 from spikingsail.errors import LaunchError
+from spikingsail.launchers.as_torchrun import shimmed
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.request import LaunchRequest
 
@@ -69,7 +70,7 @@ def task_step(request: LaunchRequest, nnodes: str, nproc: str) -> list[str]:
     """srun with one task per process; ranks from SLURM_PROCID."""
     return [
         "srun", "--nodes", nnodes, "--ntasks-per-node", nproc, "--kill-on-bad-exit=1",
-        *request.launcher_args, sys.executable, "-u", request.script, *request.script_args,
+        *request.launcher_args, *shimmed(request),
     ]  # fmt: skip
 
 

@@ -1,0 +1,53 @@
+"""Run a plain torchrun script under launchers that are not torchrun (mpirun, srun tasks).
+
+    python -m spikingsail.launchers.as_torchrun train.py ARGS...
+
+A script written for torchrun reads RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT (``init_process_group("nccl")`` with env://). mpirun and srun describe the process in
+their own variables; this shim reads them through SpikingSail's rank discovery, exports torchrun's
+names, and runs the script as ``__main__``.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from spikingsail.environments import discover_rank_info
+from spikingsail.errors import SailError
+from spikingsail.launchers.request import LaunchRequest
+
+
+def shimmed(request: LaunchRequest) -> list[str]:
+    """The argv that runs the request's script through this shim, with the launching Python."""
+    return [sys.executable, "-u", "-m", __name__, request.script, *request.script_args]
+
+
+def torchrun_variables() -> dict[str, str]:
+    info = discover_rank_info()
+    variables = {
+        "RANK": str(info.rank),
+        "LOCAL_RANK": str(info.local_rank),
+        "WORLD_SIZE": str(info.world_size),
+        "LOCAL_WORLD_SIZE": str(info.local_world_size),
+    }
+    if info.master_addr and info.master_port is not None:
+        variables |= {"MASTER_ADDR": info.master_addr, "MASTER_PORT": str(info.master_port)}
+    return variables
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m spikingsail.launchers.as_torchrun SCRIPT [ARGS...]")
+    try:
+        os.environ.update(torchrun_variables())
+    except SailError as err:
+        sys.exit(f"sail: {err}")
+    script = sys.argv[1]
+    sys.argv = sys.argv[1:]
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

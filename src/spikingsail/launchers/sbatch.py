@@ -1,0 +1,186 @@
+"""``sail submit``: write an sbatch script like seed 002's, submit it, optionally wait for it.
+
+The script's srun line comes from the same builders ``sail launch`` uses inside an allocation, with
+the allocation's values left to the shell (``$SLURM_NNODES``, ``$SLURM_JOB_ID``, the first host
+from ``scontrol show hostnames``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from spikingsail.errors import LaunchError
+from spikingsail.launchers.request import LaunchRequest
+from spikingsail.launchers.slurm import DIST_INIT_METHODS, task_step, torchrun_step
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SubmitRequest:
+    script: str
+    script_args: list[str]
+    job_name: str
+    nodes: int
+    gpus_per_node: int | None
+    nproc_per_node: int
+    dist_init_method: str
+    cpus_per_task: int | None = None
+    partition: str | None = None
+    time: str | None = None
+    account: str | None = None
+    output: str | None = None
+    error: str | None = None
+    extra_sbatch: list[str] = field(default_factory=list)
+    torchrun_args: list[str] = field(default_factory=list)
+    master_port: int = 29500
+    workdir: str = field(default_factory=os.getcwd)
+
+    def directives(self) -> list[str]:
+        torchrun = self.dist_init_method == "torchrun"
+        tasks_per_node = 1 if torchrun else self.nproc_per_node
+        pairs: list[tuple[str, object]] = [
+            ("job-name", self.job_name),
+            ("nodes", self.nodes),
+            ("ntasks-per-node", tasks_per_node),
+            ("gpus-per-task", (self.gpus_per_node if torchrun else 1) if self.gpus_per_node else None),
+            ("cpus-per-task", self.cpus_per_task),
+            ("partition", self.partition),
+            ("time", self.time),
+            ("account", self.account),
+            ("output", self.output or f"{self.job_name}-%j.out"),
+            ("error", self.error),
+        ]
+        lines = [f"#SBATCH --{key}={value}" for key, value in pairs if value is not None]
+        return lines + [f"#SBATCH {arg}" for arg in self.extra_sbatch]
+
+    def srun_argv(self) -> list[str]:
+        request = LaunchRequest(
+            script=self.script,
+            script_args=self.script_args,
+            torchrun_args=self.torchrun_args,
+            nproc_per_node=str(self.nproc_per_node),
+            launcher="slurm",
+        )
+        if self.dist_init_method == "slurm":
+            return task_step(request, "$SLURM_NNODES", str(self.nproc_per_node))
+        endpoint = f"$MASTER_ADDR:{self.master_port}"
+        return torchrun_step(request, "$SLURM_NNODES", str(self.nproc_per_node), endpoint, "$SLURM_JOB_ID")
+
+    def render(self) -> str:
+        return "\n".join(
+            [
+                "#!/bin/bash",
+                f"# Written by `sail submit` for {self.script}; submit it again with: sbatch <this file>",
+                *self.directives(),
+                "",
+                "set -euo pipefail",
+                f"cd {shlex.quote(self.workdir)}",
+                'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+                "export MASTER_ADDR",
+                " ".join(_shell_word(a) for a in self.srun_argv()),
+                "",
+            ]
+        )
+
+
+def _shell_word(arg: str) -> str:
+    """Quote a word, but let the shell expand the allocation's variables."""
+    return f'"{arg}"' if arg.startswith("$") else shlex.quote(arg)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sail submit",
+        description="Write an sbatch script that runs a training script on SLURM, and submit it.",
+        allow_abbrev=False,
+    )
+    p.add_argument("-N", "--nodes", type=int, default=1)
+    p.add_argument(
+        "--gpus-per-node",
+        "--gpus-per-task",
+        dest="gpus_per_node",
+        type=int,
+        help="GPUs per node (torchrun mode: the one task's --gpus-per-task)",
+    )
+    p.add_argument("--nproc-per-node", type=int, help="processes per node (default: the GPUs per node, or 1)")
+    p.add_argument("-c", "--cpus-per-task", type=int)
+    p.add_argument("-p", "--partition")
+    p.add_argument("-t", "--time")
+    p.add_argument("-A", "--account")
+    p.add_argument("-J", "--job-name")
+    p.add_argument("-o", "--output", help="sbatch output path (default: JOB_NAME-%%j.out)")
+    p.add_argument("-e", "--error")
+    p.add_argument(
+        "--sbatch-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="any other #SBATCH line, e.g. --sbatch-arg=--exclusive (repeatable)",
+    )
+    p.add_argument("--dist-init-method", choices=DIST_INIT_METHODS, default="torchrun")
+    p.add_argument("--max-restarts", type=int, help="torchrun's --max-restarts")
+    p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument("--script-path", help="where to write the sbatch script (default: JOB_NAME.sbatch)")
+    p.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
+    p.add_argument("--wait", action="store_true", help="wait for the job and exit with its status")
+    p.add_argument("script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def parse_submit(argv: list[str]) -> tuple[SubmitRequest, argparse.Namespace]:
+    ns = parser().parse_args(argv)
+    if not Path(ns.script).is_file():
+        raise LaunchError(f"training script {ns.script} does not exist", fix="check the path")
+    if ns.nodes < 1:
+        raise LaunchError(f"--nodes {ns.nodes}", fix="ask for at least one node")
+    request = SubmitRequest(
+        script=ns.script,
+        script_args=list(ns.script_args),
+        job_name=ns.job_name or Path(ns.script).stem,
+        nodes=ns.nodes,
+        gpus_per_node=ns.gpus_per_node,
+        nproc_per_node=ns.nproc_per_node or ns.gpus_per_node or 1,
+        dist_init_method=ns.dist_init_method,
+        cpus_per_task=ns.cpus_per_task,
+        partition=ns.partition,
+        time=ns.time,
+        account=ns.account,
+        output=ns.output,
+        error=ns.error,
+        extra_sbatch=list(ns.sbatch_arg),
+        torchrun_args=["--max-restarts", str(ns.max_restarts)] if ns.max_restarts is not None else [],
+        master_port=ns.master_port,
+    )
+    return request, ns
+
+
+def submit(path: Path) -> str:
+    result = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise LaunchError(
+            f"sbatch rejected {path}",
+            result.stderr.strip() or f"sbatch exited {result.returncode}",
+            "fix the #SBATCH lines (partition, time, GPUs) or run with --dry-run to read the script",
+        )
+    return result.stdout.strip().split(";")[0]
+
+
+def wait(job_id: str, poll_seconds: float = 1.0) -> tuple[str, int]:
+    """Poll squeue until the job leaves the queue (sbatch --wait backs off to long sleeps)."""
+    while subprocess.run(
+        ["squeue", "-h", "-j", job_id], capture_output=True, text=True, check=False
+    ).stdout.strip():
+        time.sleep(poll_seconds)
+    info = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=False
+    ).stdout
+    fields = dict(item.split("=", 1) for item in info.split() if "=" in item)
+    state = fields.get("JobState", "UNKNOWN")
+    code = int(fields.get("ExitCode", "1:0").split(":")[0])
+    return state, code if state == "COMPLETED" else (code or 1)

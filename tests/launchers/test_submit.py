@@ -1,0 +1,53 @@
+"""`sail submit`'s sbatch scripts: a golden file for seed 002's job, and the per-task mode."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from spikingsail.errors import LaunchError
+from spikingsail.launchers.sbatch import parse_submit
+
+GOLDEN = Path(__file__).with_name("golden")
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").touch()
+    return tmp_path
+
+
+def test_seed_002_job_script(workdir: Path) -> None:
+    request, _ = parse_submit([
+        "-N", "2", "--gpus-per-task", "4", "-c", "8", "-p", "sdcshare_v100_32g", "-t", "1-00:00:00",
+        "-J", "pytorch-trainer", "-o", "20230609%j.out", "-e", "20230609%j.err",
+        "--sbatch-arg=--comment=wbsM-SC230825.001", "--master-port", "23445", "--max-restarts", "2",
+        "train.py", "/mnt/images", "--epochs=30", "--resume", "--checkpoints-path=./checkpoints",
+    ])  # fmt: skip
+    expected = (GOLDEN / "seed002.sbatch").read_text().format(workdir=workdir, python=sys.executable)
+    assert request.render() == expected
+
+
+def test_one_task_per_gpu_mode(workdir: Path) -> None:
+    request, _ = parse_submit(["-N", "2", "--gpus-per-node", "4", "--dist-init-method", "slurm", "train.py"])
+    text = request.render()
+    assert "#SBATCH --ntasks-per-node=4\n#SBATCH --gpus-per-task=1\n" in text
+    assert text.rstrip().endswith(
+        f'srun --nodes "$SLURM_NNODES" --ntasks-per-node 4 --kill-on-bad-exit=1 {sys.executable} -u '
+        "-m spikingsail.launchers.as_torchrun train.py"
+    )
+
+
+def test_missing_script(workdir: Path) -> None:
+    with pytest.raises(LaunchError, match=r"training script nope\.py does not exist"):
+        parse_submit(["nope.py"])
+
+
+def test_unknown_option_is_refused(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_submit(["--gpus", "2", "train.py"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --gpus" in capsys.readouterr().err

@@ -125,3 +125,15 @@ def _alive(pid: int) -> bool:
         return False
     # A zombie has exited; only its parent has not collected it yet.
     return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.mark.multiprocess
+def test_a_plain_torchrun_script_runs_unchanged(tmp_path: Path) -> None:
+    import json
+
+    plain = Path(__file__).parents[1] / "cluster" / "jobs" / "plain_ddp.py"
+    result = run_sail("launch", "-n", "2", str(plain), str(tmp_path / "out"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(p.read_text()) for p in sorted((tmp_path / "out").glob("rank*.json"))]
+    assert [(r["rank"], r["world_size"], r["local_rank"]) for r in records] == [(0, 2, 0), (1, 2, 1)]
+    assert records[0]["digest"] == records[1]["digest"]

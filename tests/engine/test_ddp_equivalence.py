@@ -15,15 +15,7 @@ from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
-SINGLE = RankInfo(
-    rank=0,
-    local_rank=0,
-    world_size=1,
-    local_world_size=1,
-    master_addr=None,
-    master_port=None,
-    source="single",
-)
+SINGLE = RankInfo.single()
 STEPS = 6
 
 

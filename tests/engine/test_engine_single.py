@@ -12,15 +12,7 @@ import torch.nn.functional as F
 import spikingsail
 from spikingsail.environments import RankInfo
 
-SINGLE = RankInfo(
-    rank=0,
-    local_rank=0,
-    world_size=1,
-    local_world_size=1,
-    master_addr=None,
-    master_port=None,
-    source="single",
-)
+SINGLE = RankInfo.single()
 
 
 def engine_for(config: dict[str, Any], **kwargs: Any) -> spikingsail.Engine:

@@ -22,6 +22,11 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+def setenv(monkeypatch: pytest.MonkeyPatch, variables: dict[str, str]) -> None:
+    for key, value in variables.items():
+        monkeypatch.setenv(key, value)
+
+
 def remote(argv: list[str]) -> list[str]:
     return shlex.split(argv[-1])
 
@@ -135,8 +140,7 @@ PLATFORM = {"MASTER_ADDR": "10.1.0.7", "MASTER_PORT": "23456", "RANK": "1", "WOR
 def test_platform_variables_make_this_node_rank_of_world_size(
     job: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for key, value in PLATFORM.items():
-        monkeypatch.setenv(key, value)
+    setenv(monkeypatch, PLATFORM)
     request = parse_request(["--nproc-per-node", "4", "train.py"])
     assert request.torchrun_args == [
         "--nnodes",
@@ -153,8 +157,7 @@ def test_platform_variables_make_this_node_rank_of_world_size(
 
 
 def test_standalone_ignores_platform_variables(job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in PLATFORM.items():
-        monkeypatch.setenv(key, value)
+    setenv(monkeypatch, PLATFORM)
     assert parse_request(["--standalone", "-n", "2", "train.py"]).torchrun_args == [
         "--nproc-per-node",
         "2",
@@ -163,8 +166,7 @@ def test_standalone_ignores_platform_variables(job: Path, monkeypatch: pytest.Mo
 
 
 def test_bad_platform_node_rank(job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in {**PLATFORM, "RANK": "3"}.items():
-        monkeypatch.setenv(key, value)
+    setenv(monkeypatch, {**PLATFORM, "RANK": "3"})
     with pytest.raises(LaunchError, match="node RANK=3 of WORLD_SIZE=3"):
         parse_request(["train.py"])
 
@@ -180,8 +182,7 @@ ALLOCATION = {
 def test_inside_an_allocation_srun_starts_one_agent_per_node(
     job: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for key, value in ALLOCATION.items():
-        monkeypatch.setenv(key, value)
+    setenv(monkeypatch, ALLOCATION)
     (command,) = plan(parse_request(["--max-restarts", "1", "train.py", "--epochs", "3"]))
     assert command.argv == [
         "srun",
@@ -212,8 +213,7 @@ def test_inside_an_allocation_srun_starts_one_agent_per_node(
 
 
 def test_dist_init_slurm_starts_one_task_per_process(job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in ALLOCATION.items():
-        monkeypatch.setenv(key, value)
+    setenv(monkeypatch, ALLOCATION)
     (command,) = plan(parse_request(["--dist-init-method", "slurm", "--nproc-per-node", "2", "train.py"]))
     assert command.argv == [
         "srun",

@@ -34,18 +34,7 @@ def discover_rank_info(env: Mapping[str, str] | None = None, local_rank_arg: int
         EnvVarEnvironment(local_rank_arg),
     ]
     chosen = next((e for e in environments if e.detect(env)), None)
-    if chosen is None:
-        info = RankInfo(
-            rank=0,
-            local_rank=local_rank_arg or 0,
-            world_size=1,
-            local_world_size=1,
-            master_addr=None,
-            master_port=None,
-            source="single",
-        )
-    else:
-        info = chosen.read(env)
+    info = RankInfo.single(local_rank_arg or 0) if chosen is None else chosen.read(env)
     _check_agreement(info, env, local_rank_arg)
     return info
 

@@ -47,6 +47,12 @@ class RankInfo:
                 "export MASTER_ADDR and MASTER_PORT, or start the job with `sail launch`",
             )
 
+    @classmethod
+    def single(cls, local_rank: int = 0) -> RankInfo:
+        """One process and no process group."""
+        return cls(rank=0, local_rank=local_rank, world_size=1, local_world_size=max(local_rank + 1, 1),
+                   master_addr=None, master_port=None, source="single")  # fmt: skip
+
     @property
     def distributed(self) -> bool:
         return self.world_size > 1

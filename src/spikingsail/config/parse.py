@@ -16,6 +16,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from spikingsail.config.schema import (
     BF16Config,
+    CheckpointConfig,
     FP16Config,
     OptimizerConfig,
     SailConfig,
@@ -52,7 +53,6 @@ INERT_DEEPSPEED_KEYS = frozenset(
         "activation_checkpointing",
         "aio",
         "amp",
-        "checkpoint",
         "data_types",
         "elasticity",
         "autotuning",
@@ -107,6 +107,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "optimizer": OptimizerConfig,
     "scheduler": SchedulerConfig,
     "sail": SailSection,
+    "checkpoint": CheckpointConfig,
 }
 _SCALARS: dict[str, type[Any]] = {
     "gradient_clipping": float,
@@ -314,5 +315,11 @@ def _check_semantics(config: SailConfig) -> None:
         resolve_optimizer(config.optimizer, where)
     if config.scheduler is not None:
         check_scheduler(config.scheduler, where)
+    ckpt = config.checkpoint
+    if ckpt.interval_steps < 0 or ckpt.interval_seconds < 0 or ckpt.keep_last < 0:
+        raise ConfigError(
+            f"{where}: checkpoint.interval_steps, interval_seconds and keep_last must be ≥ 0",
+            fix="use 0 to turn each off",
+        )
     if config.sail.timeout_minutes <= 0:
         raise ConfigError(f"{where}: sail.timeout_minutes must be > 0")

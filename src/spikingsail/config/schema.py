@@ -61,6 +61,26 @@ class ZeroConfig:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class CheckpointConfig:
+    path: str | None = None
+    """Where the engine saves on its own (also set by --checkpoints-path)."""
+    interval_steps: int = 0
+    """Save every N optimizer steps (0 = never on its own)."""
+    interval_seconds: float = 0.0
+    """Save when this much time has passed since the last save (0 = never on its own)."""
+    keep_last: int = 0
+    """Keep only the newest K checkpoints, deleting older ones after a new one is complete (0 = keep all)."""
+    tag_validation: str = "Warn"
+    """DeepSpeed's key, accepted; tags are always the same on every rank here."""
+    load_universal: bool = False
+    """DeepSpeed's key, accepted; SpikingSail's format loads on any world size."""
+    use_node_local_storage: bool = False
+    """DeepSpeed's key, accepted; checkpoints go to one shared directory."""
+    parallel_write: dict[str, Any] = field(default_factory=dict)
+    """DeepSpeed's key, accepted without effect."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class SailSection:
     backend: str = "ddp"
     """Which engine backend runs the job (see ``spikingsail.backends.available()``)."""
@@ -95,6 +115,7 @@ class SailConfig:
     gradient_clipping: float = 0.0
     steps_per_print: int = 10
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sail: SailSection = field(default_factory=SailSection)
     inert_keys: tuple[str, ...] = ()
     """DeepSpeed keys present in the file that SpikingSail accepts but does not act on."""

@@ -1,18 +1,25 @@
-"""Per-rank data loading: each rank reads its own shard, and the shuffle changes every epoch."""
+"""Per-rank data loading: each rank reads its own shard, the shuffle changes every epoch, and the
+position in the epoch is kept (in samples, over all ranks) so that a checkpoint can resume it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from spikingsail.data.sampler import ResumableShardSampler
 
 
 class ShardedLoader:
     """A DataLoader over this rank's shard that advances the sampler's epoch by itself.
 
     Iterating it once is one epoch; the next iteration reshuffles with a new epoch number,
-    identically on every rank, so nobody has to remember ``sampler.set_epoch``.
+    identically on every rank, so nobody has to remember ``sampler.set_epoch``. ``position`` counts
+    the samples all ranks have taken in the current epoch; ``state_dict`` / ``load_state_dict``
+    carry ``epoch`` and ``position`` through a checkpoint, so the next batch after a resume is the
+    one that would have come next.
     """
 
     def __init__(
@@ -31,13 +38,23 @@ class ShardedLoader:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         **loader_kwargs: Any,
     ) -> None:
-        self.sampler: DistributedSampler[Any] | ExactShardSampler = (
-            DistributedSampler(
-                dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        length = len(dataset)  # type: ignore[arg-type]
+        self.sampler: ResumableShardSampler | ExactShardSampler = (
+            ResumableShardSampler(
+                length, rank=rank, world_size=world_size, shuffle=shuffle, seed=seed, drop_last=drop_last
             )
             if pad
-            else ExactShardSampler(len(dataset), rank=rank, world_size=world_size)  # type: ignore[arg-type]
+            else ExactShardSampler(length, rank=rank, world_size=world_size)
         )
+        self.batch_size = batch_size
+        self.world_size = world_size
+        self.position = 0
+        self.seed = seed
+        # A DataLoader draws its workers' base seed from the global torch RNG each time it is
+        # iterated; an iterator made at a resume would then shift the model's random stream
+        # (dropout). A generator of the loader's own keeps the global stream untouched.
+        self._own_generator = "generator" not in loader_kwargs
+        self._generator = loader_kwargs.pop("generator", None) or torch.Generator()
         self.loader: DataLoader[Any] = DataLoader(
             dataset,
             batch_size=batch_size,
@@ -46,17 +63,34 @@ class ShardedLoader:
             num_workers=num_workers,
             pin_memory=pin_memory,
             collate_fn=collate_fn,
+            generator=self._generator,
             **loader_kwargs,
         )
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+        self.position = 0
 
     def __iter__(self) -> Iterator[Any]:
         self.sampler.set_epoch(self.epoch)
-        yield from self.loader
+        if self._own_generator:
+            self._generator.manual_seed(self.seed * 1_000_003 + self.epoch)
+        if isinstance(self.sampler, ResumableShardSampler):
+            self.sampler.start = self.position
+        step = self.batch_size * self.world_size
+        for batch in self.loader:
+            self.position += step
+            yield batch
         self.epoch += 1
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
 
     def __len__(self) -> int:
         return len(self.loader)

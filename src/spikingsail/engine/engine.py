@@ -10,14 +10,18 @@ from __future__ import annotations
 import atexit
 import logging
 import random
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from spikingsail.backends.base import Backend
+from spikingsail.checkpoint import engine_state
 from spikingsail.config.schema import SailConfig
 from spikingsail.data.loader import ShardedLoader
 from spikingsail.engine.precision import select_precision
@@ -68,6 +72,9 @@ class Engine:
         self.global_samples = 0
         self.skipped_steps = 0
         self._window_losses: list[torch.Tensor] = []
+        self.loaders: list[ShardedLoader] = []
+        self._pending_loader_states: dict[int, dict[str, int]] = {}
+        self._last_save = time.monotonic()
         # Inputs already on the CPU need no move; skipping the walk keeps tiny steps cheap.
         self._move_inputs = config.sail.move_inputs_to_device and self.device.type != "cpu"
         self.monitor = StepMonitor(
@@ -125,6 +132,7 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
+        self._maybe_save()
         if self.monitor.wants(self.global_steps):
             losses = self._window_losses
             self.monitor.on_step(
@@ -137,6 +145,22 @@ class Engine:
                 )
             )
         self._window_losses = []
+
+    def _maybe_save(self) -> None:
+        policy = self.config.checkpoint
+        if not policy.path or not (policy.interval_steps or policy.interval_seconds):
+            return
+        due = bool(policy.interval_steps) and self.global_steps % policy.interval_steps == 0
+        if policy.interval_seconds:
+            # Ranks' clocks differ: rank 0's decides, or some ranks would enter the save alone.
+            elapsed = torch.tensor(
+                [time.monotonic() - self._last_save >= policy.interval_seconds], dtype=torch.int32
+            )
+            if dist.is_initialized():
+                dist.broadcast(elapsed.to(self.device), src=0)
+            due = due or bool(elapsed.item())
+        if due:
+            self.save_checkpoint(policy.path)
 
     def _parameters(self) -> Iterator[torch.nn.Parameter]:
         for group in self.optimizer.param_groups:
@@ -202,7 +226,7 @@ class Engine:
         ``pad=False`` (for evaluation) gives every sample to exactly one rank instead of repeating
         samples to even out the shards.
         """
-        return ShardedLoader(
+        loader = ShardedLoader(
             dataset,
             batch_size=batch_size or self.config.train_micro_batch_size_per_gpu,
             rank=self.rank,
@@ -215,6 +239,39 @@ class Engine:
             collate_fn=collate_fn,
             **loader_kwargs,
         )
+        pending = self._pending_loader_states.pop(len(self.loaders), None)
+        if pending is not None:
+            loader.load_state_dict(pending)
+        self.loaders.append(loader)
+        return loader
+
+    def save_checkpoint(
+        self, save_dir: str | Path, tag: str | None = None, client_state: dict[str, Any] | None = None
+    ) -> str:
+        """Save everything needed to continue exactly here (DeepSpeed's name and arguments).
+
+        Every rank must call it. ``tag`` defaults to ``global_step{N}``; ``client_state`` may hold
+        tensors, numbers, strings, bools, None and lists/tuples/dicts of them.
+        """
+        path = engine_state.save(self, save_dir, tag, client_state)
+        self._last_save = time.monotonic()
+        log.info("checkpoint saved: %s", path)
+        return str(path)
+
+    def load_checkpoint(
+        self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True
+    ) -> tuple[str, dict[str, Any]]:
+        """Restore a checkpoint; returns ``(path, client_state)``. ``tag`` None means the latest good one."""
+        path, client_state = engine_state.load(self, load_dir, tag, load_optimizer_states)
+        log.info("resumed from %s at step %d", path, self.global_steps)
+        return str(path), client_state
+
+    def restore_loaders(self, states: list[dict[str, int]]) -> None:
+        """Data positions from a checkpoint, for loaders made so far and those made later (by order)."""
+        self._pending_loader_states = dict(enumerate(states))
+        for index, loader in enumerate(self.loaders):
+            if index in self._pending_loader_states:
+                loader.load_state_dict(self._pending_loader_states.pop(index))
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over all ranks (a copy; the input is left as it was)."""

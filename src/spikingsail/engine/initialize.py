@@ -7,6 +7,7 @@ order, before any process group is created.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from spikingsail.backends import backend_class
+from spikingsail.checkpoint.store import CheckpointStore
 from spikingsail.config.parse import load_config
 from spikingsail.config.schema import SailConfig, summary
 from spikingsail.engine.engine import Engine, LRScheduler
@@ -46,6 +48,25 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     )
     # torch.distributed.launch appends --local-rank=N (--local_rank before torch 2.0); scripts
     # written for it often declare the flag themselves, so only add it when it is missing.
+    group.add_argument(
+        "--checkpoints-path",
+        "--checkpoints_path",
+        dest="checkpoints_path",
+        metavar="DIR",
+        help="where checkpoints are saved and resumed from",
+    )
+    group.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest good checkpoint in --checkpoints-path (if there is one)",
+    )
+    group.add_argument(
+        "--resume-from",
+        "--resume_from",
+        dest="resume_from",
+        metavar="TAG",
+        help="continue from this checkpoint tag",
+    )
     if not any(s in parser._option_string_actions for s in ("--local_rank", "--local-rank")):
         group.add_argument(
             "--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS
@@ -80,6 +101,9 @@ class SpikingSail:
             lr_scheduler=self.lr_scheduler,
             config=source,
             local_rank=local_rank if local_rank is None or local_rank >= 0 else None,
+            checkpoints_path=getattr(self.args, "checkpoints_path", None),
+            resume=bool(getattr(self.args, "resume", False)),
+            resume_from=getattr(self.args, "resume_from", None),
         )
 
 
@@ -91,11 +115,27 @@ def initialize(
     lr_scheduler: LRScheduler | None = None,
     local_rank: int | None = None,
     rank_info: RankInfo | None = None,
+    checkpoints_path: str | None = None,
+    resume: bool = False,
+    resume_from: str | None = None,
 ) -> tuple[Engine, torch.optim.Optimizer]:
-    """Build the engine; returns ``(engine, optimizer)`` with the optimizer as the backend wrapped it."""
+    """Build the engine; returns ``(engine, optimizer)`` with the optimizer as the backend wrapped it.
+
+    With ``resume`` the engine continues from the latest good checkpoint under ``checkpoints_path``
+    (or the config's ``checkpoint.path``) when there is one, and starts fresh when there is none
+    yet — so the same command serves the first start and every restart.
+    """
     rank_info = rank_info or discover_rank_info(local_rank_arg=local_rank)
     ensure_logging(rank_info.rank)
     sail_config = load_config(config, rank_info.world_size)
+    if checkpoints_path:
+        checkpoint = dataclasses.replace(sail_config.checkpoint, path=checkpoints_path)
+        sail_config = dataclasses.replace(sail_config, checkpoint=checkpoint)
+    if (resume or resume_from) and not sail_config.checkpoint.path:
+        raise ConfigError(
+            "--resume needs to know where the checkpoints are",
+            fix='pass --checkpoints-path DIR, or set "checkpoint": {"path": DIR} in the config',
+        )
     backend_cls = backend_class(sail_config.sail.backend, sail_config.source)
     if rank_info.is_rank_zero:
         log.info("SpikingSail config (%s):\n%s", rank_info.source, summary(sail_config))
@@ -110,6 +150,13 @@ def initialize(
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
     )
+    path = sail_config.checkpoint.path
+    if resume_from:
+        engine.load_checkpoint(str(path), resume_from)
+    elif resume and CheckpointStore(str(path)).tags():
+        engine.load_checkpoint(str(path))
+    elif resume:
+        log.info("no checkpoint in %s yet: starting from the beginning", path)
     return engine, engine.optimizer
 
 

@@ -1,0 +1,1 @@
+"""Checkpoints: crash-safe directories, and what an engine saves in them."""

@@ -1,0 +1,203 @@
+"""Checkpoint directories that a crash at any instant cannot leave half-written.
+
+A checkpoint ``ROOT/TAG/`` is written into ``ROOT/.staging-TAG/``, every file fsynced, a
+``manifest.json`` with each file's size and SHA-256 written last, then the directory is renamed
+into place and ``ROOT/latest`` (the tag) replaced atomically. A crash before the rename leaves the
+previous checkpoint and ``latest`` untouched; staging directories are cleared on the next save.
+Loading verifies the manifest; asking for "latest" falls back to the newest checkpoint that
+verifies, and says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from spikingsail.errors import SailError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_STAGING = ".staging-"
+
+
+class CheckpointError(SailError):
+    """A checkpoint is missing, incomplete or corrupt."""
+
+
+class CheckpointStore:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    def staging(self, tag: str) -> Path:
+        return self.root / f"{_STAGING}{tag}"
+
+    def prepare(self, tag: str) -> Path:
+        """A fresh, empty staging directory for ``tag`` (rank 0 only)."""
+        _check_tag(tag)
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(f"{_STAGING}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        staging = self.staging(tag)
+        staging.mkdir()
+        return staging
+
+    def commit(self, tag: str, metadata: dict[str, Any]) -> Path:
+        """Seal the staging directory: manifest, fsync, rename into place, move ``latest``."""
+        staging = self.staging(tag)
+        files = {}
+        for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+            _fsync_file(path)
+            files[str(path.relative_to(staging))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+        manifest = {"format": 1, "tag": tag, "created": time.time(), "files": files, **metadata}
+        _write_durably(staging / MANIFEST, json.dumps(manifest, indent=1))
+        for directory in sorted({p.parent for p in staging.rglob("*")} | {staging}):
+            _fsync_dir(directory)
+        final = self.root / tag
+        if final.exists():
+            shutil.rmtree(final)  # saving the same tag again replaces it
+        os.replace(staging, final)
+        _fsync_dir(self.root)
+        _write_durably(self.root / LATEST, tag)
+        return final
+
+    def prune(self, keep_last: int) -> None:
+        """Delete all but the newest ``keep_last`` checkpoints (after a new one is complete)."""
+        if keep_last <= 0:
+            return
+        for tag in self.tags()[:-keep_last]:
+            shutil.rmtree(self.root / tag, ignore_errors=True)
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def tags(self) -> list[str]:
+        """Complete checkpoints (with a manifest), oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(_STAGING)]
+        return [p.name for p in sorted(found, key=_manifest_time) if (p / MANIFEST).is_file()]
+
+    def latest(self) -> str | None:
+        pointer = self.root / LATEST
+        return pointer.read_text().strip() if pointer.is_file() else None
+
+    def verify(self, tag: str) -> Path:
+        path = self.root / tag
+        manifest_path = path / MANIFEST
+        if not manifest_path.is_file():
+            raise CheckpointError(
+                f"checkpoint {path} is incomplete: no {MANIFEST}",
+                "the manifest is written last, so the save did not finish",
+                "resume from another tag, or from 'latest'",
+            )
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{manifest_path} is corrupt", str(err)) from None
+        for name, expected in manifest["files"].items():
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(
+                    f"{file} is missing", f"{MANIFEST} lists it", "resume from another checkpoint"
+                )
+            size = file.stat().st_size
+            if size != expected["size"]:
+                raise CheckpointError(
+                    f"{file} is truncated or overwritten: {size} bytes, the manifest says {expected['size']}",
+                    fix="resume from another checkpoint",
+                )
+            if _sha256(file) != expected["sha256"]:
+                raise CheckpointError(
+                    f"{file} is corrupt: its SHA-256 differs from the manifest's",
+                    fix="resume from another checkpoint",
+                )
+        return path
+
+    def resolve(self, tag: str | None) -> str:
+        """The tag to load: ``tag`` verified, or the newest checkpoint that verifies."""
+        if tag is not None:
+            self.verify(tag)
+            return tag
+        latest = self.latest()
+        candidates = self.tags()
+        if latest in candidates:
+            candidates.remove(latest)
+            candidates.append(latest)  # try the pointer first, then the newest others
+        problems = []
+        for candidate in reversed(candidates):
+            try:
+                self.verify(candidate)
+            except CheckpointError as err:
+                problems.append(str(err).splitlines()[0])
+                continue
+            if problems:
+                log.warning(
+                    "checkpoint fallback: %s; resuming from %s instead", "; ".join(problems), candidate
+                )
+            return candidate
+        raise CheckpointError(
+            f"no loadable checkpoint in {self.root}",
+            "; ".join(problems) or "the directory holds no complete checkpoint",
+            "check --checkpoints-path, or start without --resume",
+        )
+
+    def metadata(self, tag: str) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((self.root / tag / MANIFEST).read_text())
+        return data
+
+
+def _check_tag(tag: str) -> None:
+    if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
+        raise CheckpointError(
+            f"checkpoint tag {tag!r} is not a plain directory name", fix="use e.g. global_step100"
+        )
+
+
+def _manifest_time(path: Path) -> float:
+    try:
+        return float(json.loads((path / MANIFEST).read_text())["created"])
+    except (OSError, ValueError, KeyError):
+        return path.stat().st_mtime
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    with temporary.open("w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    _fsync_dir(path.parent)

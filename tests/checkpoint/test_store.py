@@ -1,0 +1,171 @@
+"""Crash safety and integrity: real truncated files, flipped bytes, unsafe pickles and a SIGKILL mid-write."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import spikingsail
+from spikingsail.checkpoint.store import CheckpointError, CheckpointStore
+from spikingsail.environments import RankInfo
+
+
+def engine(checkpoint: dict[str, object] | None = None) -> spikingsail.Engine:
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "sail": {"progress_bar": False}, "checkpoint": checkpoint or {}}  # fmt: skip
+    built, _ = spikingsail.initialize(model=torch.nn.Linear(3, 2), config=config, rank_info=RankInfo.single())
+    return built
+
+
+def step(e: spikingsail.Engine) -> None:
+    e.backward(e(torch.ones(2, 3)).sum())
+    e.step()
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path: Path) -> Path:
+    e = engine()
+    step(e)
+    e.save_checkpoint(tmp_path)
+    step(e)
+    e.save_checkpoint(tmp_path)
+    e.close()
+    assert CheckpointStore(tmp_path).tags() == ["global_step1", "global_step2"]
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    return tmp_path
+
+
+def test_truncated_file_is_named_and_latest_falls_back(
+    two_checkpoints: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = two_checkpoints / "global_step2" / "model.pt"
+    model.write_bytes(model.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match=r"global_step2/model\.pt is truncated or overwritten"):
+        CheckpointStore(two_checkpoints).verify("global_step2")
+    e = engine()
+    with caplog.at_level(logging.WARNING):
+        path, _ = e.load_checkpoint(two_checkpoints)
+    assert path.endswith("global_step1") and e.global_steps == 1
+    assert "model.pt is truncated" in caplog.text and "resuming from global_step1 instead" in caplog.text
+    with pytest.raises(CheckpointError, match="truncated"):
+        e.load_checkpoint(two_checkpoints, "global_step2")
+    e.close()
+
+
+def test_flipped_byte_is_caught(two_checkpoints: Path) -> None:
+    optimizer = two_checkpoints / "global_step2" / "optimizer.pt"
+    data = bytearray(optimizer.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    optimizer.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"optimizer\.pt is corrupt: its SHA-256 differs"):
+        CheckpointStore(two_checkpoints).verify("global_step2")
+    assert CheckpointStore(two_checkpoints).resolve(None) == "global_step1"
+
+
+def test_nothing_loadable(two_checkpoints: Path) -> None:
+    for manifest in two_checkpoints.glob("*/manifest.json"):
+        manifest.write_text("{not json")
+    with pytest.raises(CheckpointError, match="no loadable checkpoint"):
+        CheckpointStore(two_checkpoints).resolve(None)
+
+
+def test_an_unsafe_pickle_is_refused_even_with_a_matching_manifest(two_checkpoints: Path) -> None:
+    target = two_checkpoints / "global_step2" / "engine.pt"
+    target.write_bytes(pickle.dumps(subprocess.Popen))  # would import and run code with weights_only=False
+    manifest_path = two_checkpoints / "global_step2" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    import hashlib
+
+    manifest["files"]["engine.pt"] = {"size": target.stat().st_size,
+                                      "sha256": hashlib.sha256(target.read_bytes()).hexdigest()}  # fmt: skip
+    manifest_path.write_text(json.dumps(manifest))
+    e = engine()
+    with pytest.raises(CheckpointError, match=r"cannot read .*engine\.pt") as err:
+        e.load_checkpoint(two_checkpoints, "global_step2")
+    assert "tensors and plain data" in str(err.value)
+    e.close()
+
+
+def test_client_state_must_be_plain_data(tmp_path: Path) -> None:
+    e = engine()
+    import random
+
+    with pytest.raises(CheckpointError, match=r"client_state\['sampler'\] is a Random"):
+        e.save_checkpoint(tmp_path, client_state={"epoch": 3, "sampler": random.Random()})
+    path = e.save_checkpoint(
+        tmp_path, client_state={"epoch": 3, "best": torch.tensor(0.5), "tags": ["a", None]}
+    )
+    _, client = e.load_checkpoint(tmp_path)
+    assert (
+        client["epoch"] == 3
+        and client["tags"] == ["a", None]
+        and torch.equal(client["best"], torch.tensor(0.5))
+    )
+    assert path.endswith("global_step0")
+    e.close()
+
+
+def test_automatic_saves_keep_the_last_k(tmp_path: Path) -> None:
+    e = engine({"path": str(tmp_path), "interval_steps": 2, "keep_last": 2})
+    for _ in range(7):
+        step(e)
+    e.close()
+    assert CheckpointStore(tmp_path).tags() == ["global_step4", "global_step6"]
+
+
+WRITER = """
+import sys, torch, spikingsail
+from spikingsail.environments import RankInfo
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(6)])
+config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+          "sail": {"progress_bar": False}}
+engine, _ = spikingsail.initialize(model=model, config=config, rank_info=RankInfo.single())
+engine.backward(engine(torch.ones(1, 2048)).sum()); engine.step()
+engine.save_checkpoint(sys.argv[1], tag="good")
+print("saved", flush=True)
+while True:
+    engine.backward(engine(torch.ones(1, 2048)).sum()); engine.step()
+    engine.save_checkpoint(sys.argv[1], tag="doomed")
+"""
+
+
+@pytest.mark.multiprocess
+def test_sigkill_during_a_write_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    root = tmp_path / "ckpt"
+    writer = subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout is not None and writer.stdout.readline().strip() == "saved"
+    staging = root / ".staging-doomed"
+    deadline = time.monotonic() + 60
+    while not (staging / "optimizer.pt").exists():  # kill while the big files are being written
+        assert time.monotonic() < deadline, "the second save never started"
+        time.sleep(0.01)
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    store = CheckpointStore(root)
+    assert store.latest() == "good"
+    assert "doomed" not in store.tags()
+    assert store.resolve(None) == "good"
+    e_dir = root
+    resumed, _ = spikingsail.initialize(
+        model=torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(6)]),
+        config={"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                "sail": {"progress_bar": False}},
+        rank_info=RankInfo.single(), checkpoints_path=str(e_dir), resume=True,
+    )  # fmt: skip
+    assert resumed.global_steps == 1
+    resumed.save_checkpoint(root, tag="after")  # a new save clears the dead staging directory
+    assert not staging.exists()
+    resumed.close()

@@ -45,7 +45,7 @@ def test_no_environment_is_one_process() -> None:
 def test_torchrun() -> None:
     info = discover_rank_info(TORCHRUN)
     assert (info.rank, info.local_rank, info.world_size, info.local_world_size) == (3, 1, 4, 2)
-    assert info.source == "torchrun" and info.init_method() == "env://"
+    assert info.source == "torchrun" and info.restart_count == 0
 
 
 def test_slurm_task_per_process() -> None:

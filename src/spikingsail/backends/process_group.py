@@ -7,6 +7,7 @@ import logging
 
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # public, not re-exported in stubs
 
 from spikingsail.config.schema import SailConfig
 from spikingsail.environments import RankInfo
@@ -49,14 +50,15 @@ def join_process_group(config: SailConfig, rank_info: RankInfo, device: torch.de
     if not rank_info.distributed or dist.is_initialized():
         return False
     backend = dist_backend_for(config, device)
+    timeout = datetime.timedelta(minutes=config.sail.timeout_minutes)
     log.debug("joining %s process group at %s as rank %d", backend, rank_info.init_method(), rank_info.rank)
     try:
         dist.init_process_group(
             backend=backend,
-            init_method=rank_info.init_method(),
+            store=_store(rank_info, timeout),
             rank=rank_info.rank,
             world_size=rank_info.world_size,
-            timeout=datetime.timedelta(minutes=config.sail.timeout_minutes),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
     except (RuntimeError, ValueError) as err:
@@ -67,6 +69,24 @@ def join_process_group(config: SailConfig, rank_info: RankInfo, device: torch.de
             "(`sail doctor -H hostfile` checks both)",
         ) from err
     return True
+
+
+def _store(rank_info: RankInfo, timeout: datetime.timedelta) -> Store:
+    """The rendezvous store, with keys of their own for every restart of the workers.
+
+    Under torchrun the agent hosts the store and keeps it across restarts; torch's own env://
+    join then reads the dead workers' gloo addresses and the restarted group hangs in
+    connectFullMesh. A prefix per restart count gives each attempt clean keys.
+    """
+    assert rank_info.master_addr is not None and rank_info.master_port is not None  # RankInfo checked
+    store = TCPStore(
+        rank_info.master_addr,
+        rank_info.master_port,
+        world_size=rank_info.world_size,
+        is_master=not rank_info.use_env_store and rank_info.rank == 0,
+        timeout=timeout,
+    )
+    return PrefixStore(f"spikingsail/attempt{rank_info.restart_count}", store)
 
 
 def leave_process_group() -> None:

@@ -25,7 +25,9 @@ class RankInfo:
     source: str
     """Which environment described the job (torchrun, slurm, openmpi, env, single)."""
     use_env_store: bool = False
-    """Join through torch's env:// handler (torchrun's agent store) instead of an explicit TCP store."""
+    """The store at MASTER_ADDR:MASTER_PORT is hosted by torchrun's agent, not by rank 0."""
+    restart_count: int = 0
+    """How often torchrun's agent has restarted the workers (TORCHELASTIC_RESTART_COUNT)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -62,8 +64,6 @@ class RankInfo:
         return self.rank == 0
 
     def init_method(self) -> str:
-        if self.use_env_store:
-            return "env://"
         return f"tcp://{self.master_addr}:{self.master_port}"
 
 

@@ -24,5 +24,6 @@ class TorchrunEnvironment(ClusterEnvironment):
             master_addr=env.get("MASTER_ADDR"),
             master_port=port_var(env, "MASTER_PORT", self.name),
             source=self.name,
-            use_env_store=True,
+            use_env_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
         )

@@ -25,6 +25,7 @@ from spikingsail.checkpoint import engine_state
 from spikingsail.config.schema import SailConfig
 from spikingsail.data.loader import ShardedLoader
 from spikingsail.engine.precision import select_precision
+from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
 from spikingsail.environments import RankInfo
 from spikingsail.errors import ConfigError
 from spikingsail.monitor.steps import StepMonitor, StepRecord
@@ -75,6 +76,9 @@ class Engine:
         self.loaders: list[ShardedLoader] = []
         self._pending_loader_states: dict[int, dict[str, int]] = {}
         self._last_save = time.monotonic()
+        self._preemption = PreemptionWatch(
+            config.checkpoint.path is not None and config.checkpoint.save_on_preemption
+        )
         # Inputs already on the CPU need no move; skipping the walk keeps tiny steps cheap.
         self._move_inputs = config.sail.move_inputs_to_device and self.device.type != "cpu"
         self.monitor = StepMonitor(
@@ -109,9 +113,20 @@ class Engine:
 
     def step(self) -> None:
         """End a micro-step; on an accumulation boundary, update the weights."""
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             self._optimizer_step()
         self.micro_steps += 1
+        if boundary and self._preemption.agreed(self.device):
+            self._save_and_exit_for_requeue()
+
+    def _save_and_exit_for_requeue(self) -> None:
+        assert self.config.checkpoint.path is not None  # the watch is armed only with a path
+        path = self.save_checkpoint(self.config.checkpoint.path)
+        log.warning("preempted by signal %s: saved %s; exiting with status %d (requeue me)",
+                    self._preemption.signal_name, path, PREEMPTED_EXIT_CODE)  # fmt: skip
+        self.close()
+        raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def _optimizer_step(self) -> None:
         overflow = self.precision.unscale_(self.optimizer)
@@ -286,6 +301,7 @@ class Engine:
             return
         self._closed = True
         atexit.unregister(self.close)
+        self._preemption.disarm()
         self.monitor.close()
         self.backend.teardown()
 

@@ -1,6 +1,6 @@
 """A job that resumes by itself: --checkpoints-path DIR --resume, checkpoints every 2 steps.
 
-    elastic_job.py OUT --checkpoints-path DIR --resume [--kill-rank R --kill-step S]
+    elastic_job.py OUT --checkpoints-path DIR --resume [--kill-rank R --kill-step S] [--step-sleep SECONDS]
 
 With --kill-rank, that rank SIGKILLs itself once at optimizer step S (a marker file in OUT makes
 it happen only in the first attempt), as a crashed worker would.
@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -29,6 +30,9 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=7)
+    parser.add_argument(
+        "--step-sleep", type=float, default=0.0, help="seconds per step, to be signalled mid-run"
+    )
     parser = spikingsail.add_config_arguments(parser)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -50,6 +54,8 @@ def main() -> None:
         for x, y in loader:
             engine.backward(F.cross_entropy(engine(x), y))
             engine.step()
+            (args.out / f"progress{engine.rank}").write_text(str(engine.global_steps))
+            time.sleep(args.step_sleep)
             if (
                 engine.rank == args.kill_rank
                 and engine.global_steps == args.kill_step

@@ -1,0 +1,59 @@
+"""A real preemption signal: the job saves, exits with 75 (requeue me), and the requeued run resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spikingsail.checkpoint.store import CheckpointStore
+from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE
+
+pytestmark = pytest.mark.multiprocess
+JOB = Path(__file__).with_name("jobs") / "elastic_job.py"
+
+
+def job(out: Path, checkpoints: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(JOB), str(out), "--checkpoints-path", str(checkpoints), "--resume", *extra]
+
+
+def digest(out: Path) -> str:
+    return str(json.loads((out / "rank0.json").read_text())["digest"])
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_preempted_job_saves_exits_75_and_resumes_exactly(tmp_path: Path, signum: int) -> None:
+    straight = subprocess.run(job(tmp_path / "straight", tmp_path / "ck-straight"), capture_output=True, text=True,
+                              timeout=120, check=False)  # fmt: skip
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    out, checkpoints = tmp_path / "preempted", tmp_path / "ck"
+    process = subprocess.Popen(
+        job(out, checkpoints, "--step-sleep", "0.2"), stderr=subprocess.PIPE, text=True
+    )
+    progress = out / "progress0"
+    deadline = time.monotonic() + 60
+    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 3):
+        assert time.monotonic() < deadline and process.poll() is None, "the job did not get going"
+        time.sleep(0.05)
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == PREEMPTED_EXIT_CODE, stderr[-2000:]
+    # The signal lands between two steps or inside one: the job finishes the step under way, then saves.
+    last_reported = int(progress.read_text())
+    stopped_at = int(
+        CheckpointStore(checkpoints).metadata(str(CheckpointStore(checkpoints).latest()))["global_steps"]
+    )
+    assert stopped_at in (last_reported, last_reported + 1)
+    assert CheckpointStore(checkpoints).latest() == f"global_step{stopped_at}"
+    assert f"preempted by signal {signal.Signals(signum).name}" in stderr
+
+    requeued = subprocess.run(job(out, checkpoints), capture_output=True, text=True, timeout=120, check=False)
+    assert requeued.returncode == 0, requeued.stderr[-2000:]
+    assert json.loads((out / "rank0.json").read_text())["started_at"] == stopped_at
+    assert digest(out) == digest(tmp_path / "straight")

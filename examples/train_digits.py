@@ -61,7 +61,7 @@ def main() -> None:
     train_set, test_set = load_digits_split()
     engine, _ = spikingsail.SpikingSail(args, DigitsNet()).run()
     loader = engine.dataloader(train_set, shuffle=True)
-    for epoch in range(args.epochs):
+    for epoch in range(loader.epoch, args.epochs):  # after a resume: the epoch the checkpoint was in
         for images, labels in loader:
             loss = F.cross_entropy(engine(images), labels)
             engine.backward(loss)

@@ -57,3 +57,36 @@ def test_preempted_job_saves_exits_75_and_resumes_exactly(tmp_path: Path, signum
     assert requeued.returncode == 0, requeued.stderr[-2000:]
     assert json.loads((out / "rank0.json").read_text())["started_at"] == stopped_at
     assert digest(out) == digest(tmp_path / "straight")
+
+
+def test_sigusr1_to_sail_launch_reaches_every_worker(tmp_path: Path) -> None:
+    """SLURM's `--signal=USR1@T` path: sail launch → torchrun's agent → both workers save and exit 75."""
+
+    def launch(out: Path, checkpoints: Path, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "spikingsail.cli.main", "launch", "-n", "2", str(JOB), str(out),
+                "--checkpoints-path", str(checkpoints), "--resume", *extra]  # fmt: skip
+
+    straight = subprocess.run(launch(tmp_path / "straight", tmp_path / "ck-straight"), capture_output=True,
+                              text=True, timeout=180, check=False)  # fmt: skip
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    out, checkpoints = tmp_path / "preempted", tmp_path / "ck"
+    process = subprocess.Popen(
+        launch(out, checkpoints, "--step-sleep", "0.3"), stderr=subprocess.PIPE, text=True
+    )
+    progress = out / "progress0"
+    deadline = time.monotonic() + 90
+    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 3):
+        assert time.monotonic() < deadline and process.poll() is None, "the job did not get going"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGUSR1)
+    _, stderr = process.communicate(timeout=90)
+    assert process.returncode != 0
+    assert stderr.count("preempted by signal SIGUSR1") == 2, stderr[-3000:]
+    store = CheckpointStore(checkpoints)
+    stopped_at = int(store.metadata(str(store.latest()))["global_steps"])
+    requeued = subprocess.run(
+        launch(out, checkpoints), capture_output=True, text=True, timeout=180, check=False
+    )
+    assert requeued.returncode == 0, requeued.stderr[-2000:]
+    assert json.loads((out / "rank0.json").read_text())["started_at"] == stopped_at
+    assert digest(out) == digest(tmp_path / "straight")

@@ -13,7 +13,7 @@ import pytest
 
 from spikingsail.errors import LaunchError
 from spikingsail.launchers import plan
-from spikingsail.launchers.request import parse_request
+from spikingsail.launchers.request import FORWARDED_SIGNALS, parse_request
 
 SAIL = [sys.executable, "-m", "spikingsail.cli.main"]
 
@@ -33,6 +33,8 @@ def test_n_becomes_nproc_per_node_and_single_node_is_standalone(tmp_path: Path) 
         "2",
         "--max-restarts",
         "1",
+        "--signals-to-handle",
+        FORWARDED_SIGNALS,
         str(script),
         "--lr",
         "0.1",
@@ -45,7 +47,12 @@ def test_explicit_rendezvous_is_not_overridden(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.touch()
     request = parse_request(["--nproc-per-node=2", "--master-port=29555", str(script)])
-    assert request.torchrun_args == ["--nproc-per-node=2", "--master-port=29555"]
+    assert request.torchrun_args == [
+        "--nproc-per-node=2",
+        "--master-port=29555",
+        "--signals-to-handle",
+        FORWARDED_SIGNALS,
+    ]
     request = parse_request(["--nnodes=2", "--rdzv-endpoint=node1:29400", str(script)])
     assert "--standalone" not in request.torchrun_args
 

@@ -11,7 +11,7 @@ import pytest
 from spikingsail.errors import LaunchError
 from spikingsail.launchers import plan
 from spikingsail.launchers.remote_env import read_env_file, remote_env
-from spikingsail.launchers.request import parse_request
+from spikingsail.launchers.request import FORWARDED_SIGNALS, parse_request
 
 
 @pytest.fixture
@@ -73,6 +73,8 @@ def test_ssh_plan_one_agent_per_node(job: Path) -> None:
             "job7",
             "--max-restarts",
             "2",
+            "--signals-to-handle",
+            FORWARDED_SIGNALS,
             "train.py",
             "--lr",
             "0.1",
@@ -153,6 +155,8 @@ def test_platform_variables_make_this_node_rank_of_world_size(
         "23456",
         "--nproc-per-node",
         "4",
+        "--signals-to-handle",
+        FORWARDED_SIGNALS,
     ]
 
 
@@ -162,6 +166,8 @@ def test_standalone_ignores_platform_variables(job: Path, monkeypatch: pytest.Mo
         "--nproc-per-node",
         "2",
         "--standalone",
+        "--signals-to-handle",
+        FORWARDED_SIGNALS,
     ]
 
 
@@ -206,6 +212,8 @@ def test_inside_an_allocation_srun_starts_one_agent_per_node(
         "77",
         "--max-restarts",
         "1",
+        "--signals-to-handle",
+        FORWARDED_SIGNALS,
         "train.py",
         "--epochs",
         "3",

@@ -27,14 +27,14 @@ class LaunchCommand:
 
 
 def run_local(command: LaunchCommand, base_env: Mapping[str, str] | None = None) -> int:
-    """Run a command on this machine, passing SIGINT/SIGTERM on to it; returns its exit status."""
+    """Run a command on this machine, passing SIGINT/SIGTERM/SIGUSR1 on to it; returns its exit status."""
     env = {**(os.environ if base_env is None else base_env), **command.env}
     child = subprocess.Popen(command.argv, env=env)
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         child.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
         return child.wait()
     finally:

@@ -37,6 +37,7 @@ _PER_NODE_FLAGS = {
 }  # fmt: skip
 # Flags with which the user chooses the rendezvous; any of them turns platform mode off.
 _RENDEZVOUS_FLAGS = tuple(f for f in _PER_NODE_FLAGS if "nproc" not in f)
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 LAUNCHERS = ("local", "ssh", "pdsh", "mpirun", "slurm")
 
 
@@ -159,6 +160,10 @@ def parse_request(argv: list[str]) -> LaunchRequest:
             head = ["--standalone", *head]
     else:
         head = _strip(head, _PER_NODE_FLAGS)
+    if launcher != "mpirun" and not _flag_name_in(head, ("--signals-to-handle", "--signals_to_handle")):
+        # torchrun's agent passes on the signals it handles; SIGUSR1 (sbatch --signal=USR1@T) is not
+        # among its defaults, and the agent would die of it without telling the workers to save.
+        head = [*head, "--signals-to-handle", FORWARDED_SIGNALS]
     return LaunchRequest(
         script=ns.training_script,
         script_args=list(ns.training_script_args),

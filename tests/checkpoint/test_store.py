@@ -169,3 +169,19 @@ def test_sigkill_during_a_write_leaves_the_previous_checkpoint_loadable(tmp_path
     resumed.save_checkpoint(root, tag="after")  # a new save clears the dead staging directory
     assert not staging.exists()
     resumed.close()
+
+
+def test_automatic_saves_land_on_step_boundaries_with_accumulation(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "sail": {"progress_bar": False},
+              "checkpoint": {"path": str(tmp_path), "interval_steps": 1}}  # fmt: skip
+    e, _ = spikingsail.initialize(model=torch.nn.Linear(3, 2), config=config, rank_info=RankInfo.single())
+    for _ in range(4):
+        step(e)
+    e.close()
+    store = CheckpointStore(tmp_path)
+    assert store.tags() == ["global_step1", "global_step2"]
+    for tag, steps in (("global_step1", 1), ("global_step2", 2)):
+        assert store.metadata(tag)["micro_steps"] == 2 * steps
+        assert not (tmp_path / tag / "grads").exists(), "a boundary save has no partial window"

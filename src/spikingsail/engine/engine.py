@@ -117,8 +117,12 @@ class Engine:
         if boundary:
             self._optimizer_step()
         self.micro_steps += 1
-        if boundary and self._preemption.agreed(self.device):
-            self._save_and_exit_for_requeue()
+        if boundary:
+            # After the counter moves on: a checkpoint must record the step as finished, or a
+            # resume would take its first micro-step for the end of an accumulation window.
+            self._maybe_save()
+            if self._preemption.agreed(self.device):
+                self._save_and_exit_for_requeue()
 
     def _save_and_exit_for_requeue(self) -> None:
         assert self.config.checkpoint.path is not None  # the watch is armed only with a path
@@ -147,7 +151,6 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
-        self._maybe_save()
         if self.monitor.wants(self.global_steps):
             losses = self._window_losses
             self.monitor.on_step(

@@ -22,6 +22,15 @@ def job(out: Path, checkpoints: Path, *extra: str) -> list[str]:
     return [sys.executable, str(JOB), str(out), "--checkpoints-path", str(checkpoints), "--resume", *extra]
 
 
+def wait_for_step(process: subprocess.Popen[str], progress: Path, step: int, timeout: float) -> Path:
+    """Wait until rank 0 reports optimizer step ``step`` in its progress file; returns the file."""
+    deadline = time.monotonic() + timeout
+    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= step):
+        assert time.monotonic() < deadline and process.poll() is None, "the job did not get going"
+        time.sleep(0.05)
+    return progress
+
+
 def digest(out: Path) -> str:
     return str(json.loads((out / "rank0.json").read_text())["digest"])
 
@@ -36,11 +45,7 @@ def test_preempted_job_saves_exits_75_and_resumes_exactly(tmp_path: Path, signum
     process = subprocess.Popen(
         job(out, checkpoints, "--step-sleep", "0.2"), stderr=subprocess.PIPE, text=True
     )
-    progress = out / "progress0"
-    deadline = time.monotonic() + 60
-    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 3):
-        assert time.monotonic() < deadline and process.poll() is None, "the job did not get going"
-        time.sleep(0.05)
+    progress = wait_for_step(process, out / "progress0", 3, timeout=60)
     process.send_signal(signum)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == PREEMPTED_EXIT_CODE, stderr[-2000:]
@@ -73,11 +78,7 @@ def test_sigusr1_to_sail_launch_reaches_every_worker(tmp_path: Path) -> None:
     process = subprocess.Popen(
         launch(out, checkpoints, "--step-sleep", "0.3"), stderr=subprocess.PIPE, text=True
     )
-    progress = out / "progress0"
-    deadline = time.monotonic() + 90
-    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 3):
-        assert time.monotonic() < deadline and process.poll() is None, "the job did not get going"
-        time.sleep(0.05)
+    wait_for_step(process, out / "progress0", 3, timeout=90)
     process.send_signal(signal.SIGUSR1)
     _, stderr = process.communicate(timeout=90)
     assert process.returncode != 0

@@ -34,8 +34,15 @@ def config() -> dict[str, Any]:
     }  # fmt: skip
 
 
-def train(checkpoints: str | None, stop_at: int | None, resume: bool, single: bool) -> dict[str, Any] | None:
-    """Train to TOTAL_MICRO_STEPS, or save at micro-step ``stop_at`` and stop there."""
+def train(
+    checkpoints: str | None, stop_at: int | None, resume: bool, single: bool, background: bool = False
+) -> dict[str, Any] | None:
+    """Train to TOTAL_MICRO_STEPS, or save at micro-step ``stop_at`` and stop there.
+
+    With ``background`` the save is asynchronous and training goes on for three more micro-steps
+    (changing every parameter) while it is written; the checkpoint must still hold step ``stop_at``.
+    """
+    stop_after = None if stop_at is None else stop_at + (3 if background else 0)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 3))
     engine, _ = spikingsail.initialize(
@@ -49,8 +56,11 @@ def train(checkpoints: str | None, stop_at: int | None, resume: bool, single: bo
             engine.step()
             if engine.micro_steps == stop_at:
                 assert checkpoints is not None
-                engine.save_checkpoint(checkpoints, client_state={"note": "stopped", "at": stop_at})
-                engine.close()
+                engine.save_checkpoint(
+                    checkpoints, client_state={"note": "stopped", "at": stop_at}, async_save=background
+                )
+            if engine.micro_steps == stop_after:
+                engine.close()  # waits for a background save
                 return None
             if engine.micro_steps == TOTAL_MICRO_STEPS:
                 break
@@ -86,6 +96,14 @@ def test_one_process_resume_is_bit_exact(tmp_path: Path, stop_at: int) -> None:
     assert_identical(straight, resumed)
 
 
+def test_async_save_holds_the_step_it_was_taken_at(tmp_path: Path) -> None:
+    straight = train(None, None, resume=False, single=True)
+    assert train(str(tmp_path), 7, resume=False, single=True, background=True) is None
+    resumed = train(str(tmp_path), None, resume=True, single=True)
+    assert straight is not None and resumed is not None
+    assert_identical(straight, resumed)
+
+
 def test_the_check_would_catch_a_lost_rng_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the RNG states, dropout draws differ after the resume: the comparison above can fail."""
     from spikingsail.checkpoint import engine_state
@@ -103,6 +121,15 @@ def test_the_check_would_catch_a_lost_rng_state(tmp_path: Path, monkeypatch: pyt
 def test_two_process_resume_is_bit_exact(tmp_path: Path) -> None:
     straight = run_ranks(train, 2, None, None, False, False)
     assert run_ranks(train, 2, str(tmp_path), 7, False, False) == {0: None, 1: None}
+    resumed = run_ranks(train, 2, str(tmp_path), None, True, False)
+    for rank in (0, 1):
+        assert_identical(straight[rank], resumed[rank])
+
+
+@pytest.mark.multiprocess
+def test_two_process_async_save_resume_is_bit_exact(tmp_path: Path) -> None:
+    straight = run_ranks(train, 2, None, None, False, False)
+    assert run_ranks(train, 2, str(tmp_path), 7, False, False, True) == {0: None, 1: None}
     resumed = run_ranks(train, 2, str(tmp_path), None, True, False)
     for rank in (0, 1):
         assert_identical(straight[rank], resumed[rank])

@@ -48,26 +48,28 @@ def two_checkpoints(tmp_path: Path) -> Path:
 def test_truncated_file_is_named_and_latest_falls_back(
     two_checkpoints: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    model = two_checkpoints / "global_step2" / "model.pt"
+    model = two_checkpoints / "global_step2" / "state" / "__0_0.distcp"
     model.write_bytes(model.read_bytes()[:-10])
-    with pytest.raises(CheckpointError, match=r"global_step2/model\.pt is truncated or overwritten"):
+    with pytest.raises(
+        CheckpointError, match=r"global_step2/state/__0_0\.distcp is truncated or overwritten"
+    ):
         CheckpointStore(two_checkpoints).verify("global_step2")
     e = engine()
     with caplog.at_level(logging.WARNING):
         path, _ = e.load_checkpoint(two_checkpoints)
     assert path.endswith("global_step1") and e.global_steps == 1
-    assert "model.pt is truncated" in caplog.text and "resuming from global_step1 instead" in caplog.text
+    assert "__0_0.distcp is truncated" in caplog.text and "resuming from global_step1 instead" in caplog.text
     with pytest.raises(CheckpointError, match="truncated"):
         e.load_checkpoint(two_checkpoints, "global_step2")
     e.close()
 
 
 def test_flipped_byte_is_caught(two_checkpoints: Path) -> None:
-    optimizer = two_checkpoints / "global_step2" / "optimizer.pt"
-    data = bytearray(optimizer.read_bytes())
+    metadata = two_checkpoints / "global_step2" / "state" / ".metadata"
+    data = bytearray(metadata.read_bytes())
     data[len(data) // 2] ^= 0x01
-    optimizer.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"optimizer\.pt is corrupt: its SHA-256 differs"):
+    metadata.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"state/\.metadata is corrupt: its SHA-256 differs"):
         CheckpointStore(two_checkpoints).verify("global_step2")
     assert CheckpointStore(two_checkpoints).resolve(None) == "global_step1"
 
@@ -149,7 +151,7 @@ def test_sigkill_during_a_write_leaves_the_previous_checkpoint_loadable(tmp_path
     assert writer.stdout is not None and writer.stdout.readline().strip() == "saved"
     staging = root / ".staging-doomed"
     deadline = time.monotonic() + 60
-    while not (staging / "optimizer.pt").exists():  # kill while the big files are being written
+    while not any((staging / "state").glob("*.distcp")):  # kill while the big file is being written
         assert time.monotonic() < deadline, "the second save never started"
         time.sleep(0.01)
     writer.send_signal(signal.SIGKILL)
@@ -185,3 +187,40 @@ def test_automatic_saves_land_on_step_boundaries_with_accumulation(tmp_path: Pat
     for tag, steps in (("global_step1", 1), ("global_step2", 2)):
         assert store.metadata(tag)["micro_steps"] == 2 * steps
         assert not (tmp_path / tag / "grads").exists(), "a boundary save has no partial window"
+
+
+FULL_DISK = """
+import resource, signal, sys, torch, spikingsail
+from spikingsail.checkpoint.store import CheckpointError, CheckpointStore
+from spikingsail.environments import RankInfo
+config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+          "sail": {"progress_bar": False}}
+engine, _ = spikingsail.initialize(model=torch.nn.Linear(512, 512), config=config, rank_info=RankInfo.single())
+engine.backward(engine(torch.ones(1, 512)).sum()); engine.step()
+engine.save_checkpoint(sys.argv[1], tag="good")
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+for background in (False, True):
+    try:
+        engine.save_checkpoint(sys.argv[1], tag="too-big", async_save=background)
+        engine.wait_for_checkpoint()
+    except CheckpointError as err:
+        print("refused:", str(err).replace("\\n", " | "), flush=True)
+store = CheckpointStore(sys.argv[1])
+print("latest:", store.latest(), store.tags(), flush=True)
+engine.close()
+"""
+
+
+def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    script = tmp_path / "full_disk.py"
+    script.write_text(FULL_DISK)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    refusals = [line for line in result.stdout.splitlines() if line.startswith("refused:")]
+    assert len(refusals) == 2, result.stdout
+    assert "could not write the model/optimizer state" in refusals[0]
+    assert "the background save of" in refusals[1] and "too-big failed" in refusals[1]
+    assert all("why: RuntimeError" in line and "still 'latest'" in line for line in refusals)
+    assert "latest: good ['good']" in result.stdout

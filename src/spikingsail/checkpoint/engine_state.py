@@ -1,9 +1,12 @@
 """What an engine checkpoint holds, and how every rank writes and reads its part.
 
-Replicated state (model, optimizer, scheduler, loss scaler, counters, data positions, config) is
-written once by rank 0; each rank writes its own RNG states and, when the save falls inside an
+Model and optimizer state go through torch.distributed.checkpoint into ``state/`` (each replicated
+tensor written once, by one of the ranks; sharded state by its owners). The rest of the engine's
+state (scheduler, loss scaler, counters, data positions, config, client state) is written once by
+rank 0 into ``engine.pt``; each rank writes its own RNG states and, when the save falls inside an
 accumulation window, its own partial gradients. Everything is read back with
-``torch.load(weights_only=True)``: a checkpoint directory can never run code on load.
+``torch.load(weights_only=True)`` or DCP's reader with an allow-listed unpickler: a checkpoint
+directory can never run code on load.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import dataclasses
 import json
 import logging
 import random
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,17 +24,44 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from spikingsail.checkpoint import dcp_io
 from spikingsail.checkpoint.store import CheckpointError, CheckpointStore
 
 if TYPE_CHECKING:
     from spikingsail.engine.engine import Engine
 
 log = logging.getLogger(__name__)
+STATE_DIR = "state"
+"""Model and optimizer state, written through torch.distributed.checkpoint."""
 _ALLOWED = (torch.Tensor, int, float, str, bool, bytes, type(None))
 
 
-def save(engine: Engine, save_dir: str | Path, tag: str | None, client_state: dict[str, Any] | None) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint directory."""
+@dataclass(frozen=True)
+class SaveHandle:
+    """A checkpoint being written: ``wait()`` returns its path once it is complete (committed)."""
+
+    path: Path
+    done: Future[None]
+
+    def wait(self) -> Path:
+        self.done.result()
+        return self.path
+
+
+def save(
+    engine: Engine,
+    save_dir: str | Path,
+    tag: str | None,
+    client_state: dict[str, Any] | None,
+    *,
+    group: dist.ProcessGroup | None,
+    background: bool = False,
+) -> SaveHandle:
+    """Collective: every rank calls it.
+
+    In the background, the model and optimizer state is copied to host memory before this
+    returns, then written (and rank 0 commits the checkpoint) by a thread.
+    """
     client_state = dict(client_state or {})
     _check_client_state(client_state, "client_state")
     tag = tag or f"global_step{engine.global_steps}"
@@ -46,21 +78,47 @@ def save(engine: Engine, save_dir: str | Path, tag: str | None, client_state: di
         grads = {name: p.grad for name, p in engine.module.named_parameters() if p.grad is not None}
         torch.save(grads, staging / "grads" / f"rank{rank}.pt")
     if rank == 0:
-        torch.save(engine.module.state_dict(), staging / "model.pt")
-        torch.save(engine.optimizer.state_dict(), staging / "optimizer.pt")
         torch.save(_engine_state(engine, client_state), staging / "engine.pt")
-    _barrier()
-    if rank == 0:
-        metadata = {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                    "world_size": engine.world_size}  # fmt: skip
-        store.commit(tag, metadata)
-        store.prune(engine.config.checkpoint.keep_last)
-    _barrier()
-    return store.root / tag
+    metadata = {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                "world_size": engine.world_size}  # fmt: skip
+    keep_last = engine.config.checkpoint.keep_last
+
+    def commit() -> None:
+        # Every rank wrote its own files before entering DCP's save, whose last step gathers all ranks.
+        if rank == 0:
+            store.commit(tag, metadata)
+            store.prune(keep_last)
+
+    state = dcp_io.state_to_save(engine.module, engine.optimizer)
+    done: Future[None] = Future()
+    if not background:
+        dcp_io.save(state, staging / STATE_DIR, group)
+        commit()
+        _barrier()
+        done.set_result(None)
+        return SaveHandle(store.root / tag, done)
+
+    def finish(upload: Future[Any]) -> None:
+        try:
+            upload.result()
+            commit()
+        except BaseException as err:  # handed to whoever waits for the save
+            done.set_exception(err)
+        else:
+            done.set_result(None)
+
+    dcp_io.async_save(state, staging / STATE_DIR, group).add_done_callback(finish)
+    return SaveHandle(store.root / tag, done)
 
 
-def load(engine: Engine, load_dir: str | Path, tag: str | None, load_optimizer_states: bool = True
-         ) -> tuple[Path, dict[str, Any]]:  # fmt: skip
+def load(
+    engine: Engine,
+    load_dir: str | Path,
+    tag: str | None,
+    load_optimizer_states: bool = True,
+    *,
+    group: dist.ProcessGroup | None,
+) -> tuple[Path, dict[str, Any]]:
     """Collective: every rank calls it. Returns (checkpoint directory, client_state)."""
     store = CheckpointStore(load_dir)
     chosen = [store.resolve(tag) if engine.rank == 0 else None]
@@ -77,9 +135,10 @@ def load(engine: Engine, load_dir: str | Path, tag: str | None, load_optimizer_s
             "the partial gradients of an unfinished window belong to the ranks that computed them",
             "resume with the same number of processes, or from a checkpoint saved on a step boundary",
         )
-    engine.module.load_state_dict(_load(path / "model.pt"))
-    if load_optimizer_states:
-        engine.optimizer.load_state_dict(_load(path / "optimizer.pt"))
+    dcp_io.load(engine.module, engine.optimizer if load_optimizer_states else None, path / STATE_DIR, group)
+    if load_optimizer_states and len(state["optimizer_groups"]) == len(engine.optimizer.param_groups):
+        for group_now, saved in zip(engine.optimizer.param_groups, state["optimizer_groups"], strict=True):
+            group_now.update(saved)
     _apply_engine_state(engine, state)
     if saved_world == engine.world_size:
         restore_rng(_load(path / "rng" / f"rank{engine.rank}.pt"))
@@ -106,6 +165,10 @@ def _engine_state(engine: Engine, client_state: dict[str, Any]) -> dict[str, Any
         "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
         "world_size": engine.world_size,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        # also here: an optimizer without per-parameter state (plain SGD) has none in state/
+        "optimizer_groups": [
+            {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
+        ],
         "precision": engine.precision.state_dict(),
         "loaders": [loader.state_dict() for loader in engine.loaders],
         "config": json.dumps(dataclasses.asdict(engine.config), default=str),

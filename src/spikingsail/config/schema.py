@@ -70,6 +70,8 @@ class CheckpointConfig:
     """Save when this much time has passed since the last save (0 = never on its own)."""
     keep_last: int = 0
     """Keep only the newest K checkpoints, deleting older ones after a new one is complete (0 = keep all)."""
+    async_save: bool = False
+    """Copy the state to host memory and write it in the background (torch.distributed.checkpoint's async_save)."""
     save_on_preemption: bool = True
     """With a path set: on SIGTERM or SIGUSR1, finish the step, save, and exit with status 75."""
     tag_validation: str = "Warn"

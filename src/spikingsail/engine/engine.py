@@ -18,10 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.utils.data import Dataset
 
 from spikingsail.backends.base import Backend
-from spikingsail.checkpoint import engine_state
+from spikingsail.checkpoint import dcp_io, engine_state
+from spikingsail.checkpoint.store import CheckpointError
 from spikingsail.config.schema import SailConfig
 from spikingsail.data.loader import ShardedLoader
 from spikingsail.engine.precision import select_precision
@@ -76,6 +78,8 @@ class Engine:
         self.loaders: list[ShardedLoader] = []
         self._pending_loader_states: dict[int, dict[str, int]] = {}
         self._last_save = time.monotonic()
+        self._pending_save: engine_state.SaveHandle | None = None
+        self._ckpt_group: dist.ProcessGroup | None = None
         self._preemption = PreemptionWatch(
             config.checkpoint.path is not None and config.checkpoint.save_on_preemption
         )
@@ -126,7 +130,7 @@ class Engine:
 
     def _save_and_exit_for_requeue(self) -> None:
         assert self.config.checkpoint.path is not None  # the watch is armed only with a path
-        path = self.save_checkpoint(self.config.checkpoint.path)
+        path = self.save_checkpoint(self.config.checkpoint.path, async_save=False)
         log.warning("preempted by signal %s: saved %s; exiting with status %d (requeue me)",
                     self._preemption.signal_name, path, PREEMPTED_EXIT_CODE)  # fmt: skip
         self.close()
@@ -264,25 +268,69 @@ class Engine:
         return loader
 
     def save_checkpoint(
-        self, save_dir: str | Path, tag: str | None = None, client_state: dict[str, Any] | None = None
+        self,
+        save_dir: str | Path,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        *,
+        async_save: bool | None = None,
     ) -> str:
         """Save everything needed to continue exactly here (DeepSpeed's name and arguments).
 
         Every rank must call it. ``tag`` defaults to ``global_step{N}``; ``client_state`` may hold
-        tensors, numbers, strings, bools, None and lists/tuples/dicts of them.
+        tensors, numbers, strings, bools, None and lists/tuples/dicts of them. With ``async_save``
+        (default: the config's ``checkpoint.async_save``) the state is copied to host memory and
+        written in the background; the checkpoint appears (and ``latest`` moves) when the write
+        completes. A save waits for the previous background save first; so do loading and close().
         """
-        path = engine_state.save(self, save_dir, tag, client_state)
+        self.wait_for_checkpoint()
+        background = self.config.checkpoint.async_save if async_save is None else async_save
+        handle = engine_state.save(
+            self, save_dir, tag, client_state, group=self._checkpoint_group(), background=background
+        )
         self._last_save = time.monotonic()
-        log.info("checkpoint saved: %s", path)
-        return str(path)
+        if background:
+            self._pending_save = handle
+            log.info("checkpoint %s: writing in the background", handle.path)
+        else:
+            log.info("checkpoint saved: %s", handle.path)
+        return str(handle.path)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until a background save has been written and committed; raise if it failed."""
+        handle, self._pending_save = self._pending_save, None
+        if handle is None:
+            return
+        try:
+            handle.wait()
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as err:
+            raise CheckpointError(
+                f"the background save of {handle.path} failed",
+                dcp_io.describe(err),
+                "the previous checkpoint is intact and still 'latest'; check free space and permissions",
+            ) from err
+        log.info("checkpoint saved: %s", handle.path)
 
     def load_checkpoint(
         self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True
     ) -> tuple[str, dict[str, Any]]:
         """Restore a checkpoint; returns ``(path, client_state)``. ``tag`` None means the latest good one."""
-        path, client_state = engine_state.load(self, load_dir, tag, load_optimizer_states)
+        self.wait_for_checkpoint()
+        path, client_state = engine_state.load(
+            self, load_dir, tag, load_optimizer_states, group=self._checkpoint_group()
+        )
         log.info("resumed from %s at step %d", path, self.global_steps)
         return str(path), client_state
+
+    def _checkpoint_group(self) -> dist.ProcessGroup | None:
+        """A gloo group of its own for checkpoint coordination, also from a background thread."""
+        if not dist.is_initialized():
+            return None
+        if self._ckpt_group is None:
+            self._ckpt_group = dist.new_group(backend="gloo")
+        return self._ckpt_group
 
     def restore_loaders(self, states: list[dict[str, int]]) -> None:
         """Data positions from a checkpoint, for loaders made so far and those made later (by order)."""
@@ -296,7 +344,7 @@ class Engine:
         return self.backend.all_reduce_sum(tensor)
 
     def close(self) -> None:
-        """Close the progress bar and metrics file and leave the process group the engine joined.
+        """Finish a background save, close the progress bar and metrics file, and leave the process group.
 
         Runs at interpreter exit too when the script does not call it; calling it twice is harmless.
         """
@@ -305,8 +353,13 @@ class Engine:
         self._closed = True
         atexit.unregister(self.close)
         self._preemption.disarm()
-        self.monitor.close()
-        self.backend.teardown()
+        try:
+            self.wait_for_checkpoint()
+        except CheckpointError as err:
+            log.error("%s", err)
+        finally:
+            self.monitor.close()
+            self.backend.teardown()
 
     def __enter__(self) -> Engine:
         return self

@@ -1,0 +1,224 @@
+"""Model and optimizer state through ``torch.distributed.checkpoint`` (DCP), read back safely.
+
+DCP keys the state by parameter name (no ``module.`` prefix, optimizer state by name rather than
+by position), spreads the writing of replicated tensors over the ranks, reshards on load (any
+world size, and sharded backends later) and can write in the background (``async_save``).
+
+DCP itself unpickles its ``.metadata`` file and the non-tensor values with plain ``pickle``,
+which would let a checkpoint directory run code. Here the metadata goes through an unpickler
+that knows only DCP's own metadata classes, and non-tensor values through
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from spikingsail.checkpoint.store import CheckpointError
+
+METADATA = ".metadata"
+_DCP_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+def state_to_save(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"model": ..., "optimizer": ...}`` keyed by parameter name.
+
+    An optimizer that has not stepped yet has no state; it is left out rather than given one
+    (torch would initialise it by stepping with zero gradients, which changes later updates).
+    """
+    state: dict[str, Any] = {"model": get_model_state_dict(module)}
+    if optimizer.state:
+        state["optimizer"] = get_optimizer_state_dict(module, optimizer)
+    return state
+
+
+def save(state: dict[str, Any], directory: Path, group: dist.ProcessGroup | None) -> None:
+    try:
+        with _single_process_is_intended(group):
+            dcp_save(
+                state, storage_writer=FileSystemWriter(directory), process_group=group, no_dist=group is None
+            )
+    except (Exception, CheckpointException) as err:
+        raise CheckpointError(
+            f"could not write the model/optimizer state to {directory}",
+            describe(err),
+            "the previous checkpoint is intact and still 'latest'; check free space and permissions",
+        ) from None
+
+
+def async_save(state: dict[str, Any], directory: Path, group: dist.ProcessGroup | None) -> Future[Any]:
+    """Copy the state to host memory now and write it in a background thread."""
+    with _single_process_is_intended(group):
+        result = dcp_async_save(
+            state, storage_writer=FileSystemWriter(directory), process_group=group, no_dist=group is None
+        )
+    if isinstance(result, Future):
+        return result
+    return result.upload_completion  # newer torch: AsyncSaveResponse
+
+
+def load(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    directory: Path,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Load the model (and the optimizer, when given and saved) in place from ``directory``."""
+    reader = SafeFileSystemReader(directory)
+    saved = reader.read_metadata().state_dict_metadata
+    state: dict[str, Any] = {"model": get_model_state_dict(module)}
+    with_optimizer = optimizer is not None and any(key.startswith("optimizer.") for key in saved)
+    if with_optimizer:
+        assert optimizer is not None
+        state["optimizer"] = get_optimizer_state_dict(module, optimizer)
+    try:
+        with _single_process_is_intended(group):
+            dcp_load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group,
+                 no_dist=group is None)  # fmt: skip
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as err:  # DCP wraps per-rank failures in CheckpointException
+        for failure in _failures(err):
+            if isinstance(failure, CheckpointError):
+                raise failure from None
+        raise CheckpointError(
+            f"cannot load the model/optimizer state in {directory}",
+            describe(err),
+            "the model or optimizer differs from the one that was saved (names or shapes), "
+            "or the files are damaged",
+        ) from None
+    options = StateDictOptions(strict=True)
+    set_model_state_dict(module, state["model"], options=options)
+    if with_optimizer:
+        assert optimizer is not None
+        set_optimizer_state_dict(module, optimizer, state["optimizer"], options=options)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader, with the metadata unpickled by an allow-list of DCP's own classes."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        path = Path(self.path) / METADATA
+        try:
+            with path.open("rb") as handle:
+                metadata = _MetadataUnpickler(handle).load()
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} is missing", fix="resume from another checkpoint") from None
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointError(
+                f"cannot read {path}", _first_line(err), "resume from another checkpoint"
+            ) from None
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise CheckpointError(f"{path} does not hold DCP metadata", fix="resume from another checkpoint")
+        storage_meta = metadata.storage_meta or dcp_metadata.StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Non-tensor values (step counts, hyperparameters) read with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except Exception as err:
+            raise CheckpointError(
+                f"the value {fqn!r} in the checkpoint cannot be read safely",
+                _first_line(err),
+                "checkpoints hold tensors and plain data only; resume from another checkpoint",
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(
+            f"checkpoint metadata refers to {module}.{name}",
+            "DCP metadata holds only DCP's own classes, sizes and dtypes; anything else could run code on load",
+            "do not load this checkpoint; it was not written by torch.distributed.checkpoint",
+        )
+
+
+@contextlib.contextmanager
+def _single_process_is_intended(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Without a process group DCP warns that it assumes a single process, which is what we ask for."""
+    with warnings.catch_warnings():
+        if group is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def describe(err: BaseException) -> str:
+    """One line for an error, also for DCP's CheckpointException (a BaseException listing each rank's error)."""
+    failures = _failures(err)
+    if failures != [err]:
+        return "; ".join(f"{type(f).__name__}: {_first_line(f)}" for f in failures)
+    return _first_line(err)
+
+
+def _failures(err: BaseException) -> list[BaseException]:
+    if isinstance(err, CheckpointException):
+        return [failure for failure, _trace in err.failures.values()]
+    return [err]
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,0 +1,112 @@
+"""DCP's files are read without running code: a hostile .metadata or value is refused, not executed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+import spikingsail
+from spikingsail.checkpoint import dcp_io
+from spikingsail.checkpoint.store import CheckpointError
+from spikingsail.environments import RankInfo
+
+
+class Payload:
+    """Unpickling this would create ``marker``: the proof that a load ran code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def engine() -> spikingsail.Engine:
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+              "sail": {"progress_bar": False}}  # fmt: skip
+    built, _ = spikingsail.initialize(model=torch.nn.Linear(3, 2), config=config, rank_info=RankInfo.single())
+    return built
+
+
+def reseal(checkpoint: Path, name: str) -> None:
+    """Update the manifest for a replaced file, as an attacker with write access would."""
+    manifest_path = checkpoint / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    data = (checkpoint / name).read_bytes()
+    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def test_hostile_metadata_is_refused(tmp_path: Path) -> None:
+    e = engine()
+    e.backward(e(torch.ones(2, 3)).sum())
+    e.step()
+    checkpoint = Path(e.save_checkpoint(tmp_path / "ckpt"))
+    marker = tmp_path / "ran"
+    (checkpoint / "state" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    reseal(checkpoint, "state/.metadata")
+    with pytest.raises(CheckpointError, match=r"metadata refers to posix\.system") as err:
+        e.load_checkpoint(tmp_path / "ckpt")
+    assert "could run code on load" in str(err.value)
+    assert not marker.exists()
+    e.close()
+
+
+def test_a_value_that_is_not_plain_data_is_refused(tmp_path: Path) -> None:
+    e = engine()
+    e.backward(e(torch.ones(2, 3)).sum())
+    e.step()
+    marker = tmp_path / "ran"
+    state = dcp_io.state_to_save(e.module, e.optimizer)
+    state["optimizer"]["param_groups"][0]["lr"] = Payload(marker)
+    dcp_io.save(state, tmp_path / "state", None)
+    with pytest.raises(
+        CheckpointError, match=r"'optimizer\.param_groups\.0\.lr' in the checkpoint cannot be read"
+    ):
+        dcp_io.load(e.module, e.optimizer, tmp_path / "state", None)
+    assert not marker.exists()
+    e.close()
+
+
+def test_plain_values_and_tensors_load(tmp_path: Path) -> None:
+    saved = {"model": {"w": torch.arange(4.0)}, "extra": {"betas": (0.9, 0.99), "name": "x", "n": None}}
+    dcp_io.save(saved, tmp_path / "state", None)
+    target: dict[str, Any] = {"model": {"w": torch.zeros(4)}, "extra": {"betas": None, "name": None, "n": 1}}
+    dcp_load(target, storage_reader=dcp_io.SafeFileSystemReader(tmp_path / "state"),
+             planner=dcp_io.SafeLoadPlanner(), no_dist=True)  # fmt: skip
+    assert torch.equal(target["model"]["w"], torch.arange(4.0))
+    assert target["extra"] == {"betas": (0.9, 0.99), "name": "x", "n": None}
+
+
+def test_a_different_model_is_named(tmp_path: Path) -> None:
+    e = engine()
+    e.save_checkpoint(tmp_path)
+    e.close()
+    other, _ = spikingsail.initialize(
+        model=torch.nn.Linear(3, 5),
+        config={"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+                "sail": {"progress_bar": False}},
+        rank_info=RankInfo.single(),
+    )  # fmt: skip
+    with pytest.raises(CheckpointError, match="cannot load the model/optimizer state") as err:
+        other.load_checkpoint(tmp_path)
+    assert "differs from the one that was saved" in str(err.value)
+    other.close()
+
+
+def test_a_checkpoint_saved_before_the_first_step_leaves_the_optimizer_untouched(tmp_path: Path) -> None:
+    """torch would give a fresh optimizer state by stepping it once with zero gradients."""
+    e = engine()
+    e.save_checkpoint(tmp_path)
+    assert not e.optimizer.state
+    e.load_checkpoint(tmp_path)
+    assert not e.optimizer.state
+    e.close()

@@ -57,6 +57,9 @@ class DDPBackend(Backend):
             for name in ("logger", "reducer"):
                 if hasattr(self.ddp, name):
                     delattr(self.ddp, name)
+            # The module outlives the engine in user code (often as a global, freed during
+            # interpreter shutdown); it must not keep the group, and gloo's threads, alive.
+            del self.ddp.process_group
             self.ddp = None
         if self._owns_group:
             leave_process_group()

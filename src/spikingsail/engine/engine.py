@@ -359,6 +359,7 @@ class Engine:
             log.error("%s", err)
         finally:
             self.monitor.close()
+            self._ckpt_group = None  # the group must die with the backend's, not at interpreter exit
             self.backend.teardown()
 
     def __enter__(self) -> Engine:

@@ -7,7 +7,10 @@ order, before any process group is created.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import faulthandler
+import io
 import logging
 from pathlib import Path
 from typing import Any
@@ -127,6 +130,7 @@ def initialize(
     """
     rank_info = rank_info or discover_rank_info(local_rank_arg=local_rank)
     ensure_logging(rank_info.rank)
+    _python_stacks_on_crash()
     sail_config = load_config(config, rank_info.world_size)
     if checkpoints_path:
         checkpoint = dataclasses.replace(sail_config.checkpoint, path=checkpoints_path)
@@ -201,3 +205,12 @@ def _report_unused(config: SailConfig, backend: str, honoured: frozenset[str], m
             stage,
             backend,
         )
+
+
+def _python_stacks_on_crash() -> None:
+    """A worker killed by SIGSEGV/SIGABRT shows where Python was, not only torchrun's "Signal 6"."""
+    if faulthandler.is_enabled():
+        return
+    # stderr replaced by an object without a file descriptor (notebooks): no stacks, no error
+    with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
+        faulthandler.enable()

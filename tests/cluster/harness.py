@@ -168,6 +168,8 @@ class NamespaceCluster:
                     f"SlurmctldHost={self.names[0]}({self.address[self.names[0]]})",
                     "SlurmUser=root",
                     "AuthType=auth/munge",
+                    # a requeued job waits this long before it may start again (default 120 s)
+                    "AuthInfo=cred_expire=10",
                     f"StateSaveLocation={state}/ctld",
                     f"SlurmdSpoolDir={state}/spool-%n",
                     f"SlurmctldPidFile={state}/slurmctld.pid",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -116,4 +118,47 @@ def test_sail_submit_reports_a_failed_job(slurm: NamespaceCluster, tmp_path: Pat
     assert result.returncode != 0
     assert "ended: FAILED" in result.stdout, result.stdout + result.stderr
     assert records(tmp_path) == []
+    assert_no_job_left(slurm)
+
+
+ELASTIC_JOB = Path(__file__).parents[1] / "checkpoint" / "jobs" / "elastic_job.py"
+
+
+def test_sail_submit_requeues_a_preempted_job_which_resumes_exactly(
+    slurm: NamespaceCluster, tmp_path: Path
+) -> None:
+    """SLURM signals the batch shell (as --signal=B:USR1 does before the time limit); the ranks save
+    and exit 75, the job is requeued, and the second run finishes from the checkpoint."""
+    straight = subprocess.run(
+        [*SAIL, "-n", "2", str(ELASTIC_JOB), str(tmp_path / "straight"), "--checkpoints-path",
+         str(tmp_path / "ck-straight"), "--resume"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    out, checkpoints = tmp_path / "out", tmp_path / "ck"
+    argv = [*SUBMIT, "-N", "2", "-J", "sailrq", "--requeue", "--wait", str(ELASTIC_JOB), str(out),
+            "--checkpoints-path", str(checkpoints), "--resume", "--step-sleep", "0.3"]  # fmt: skip
+    submit = subprocess.Popen(
+        slurm.node_argv("node1", argv), cwd=tmp_path, env=slurm.slurm_env(), stdout=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 90
+    progress = out / "progress0"
+    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 3):
+        assert time.monotonic() < deadline and submit.poll() is None, "the job did not get going"
+        time.sleep(0.1)
+    job_id = slurm.run("node1", ["squeue", "-h", "-o", "%i"], env=slurm.slurm_env()).stdout.split()[0]
+    signalled = slurm.run("node1", ["scancel", "--batch", "--signal=USR1", job_id], env=slurm.slurm_env())
+    assert signalled.returncode == 0, signalled.stderr
+    stdout, _ = submit.communicate(timeout=240)
+    assert submit.returncode == 0, stdout
+    assert f"job {job_id} ended: COMPLETED, exit status 0" in stdout
+    log = (tmp_path / f"sailrq-{job_id}.out").read_text()
+    assert "preempted by signal SIGUSR1" in log and "requeueing it" in log, log[-3000:]
+    assert "resumed from" in log, log[-3000:]
+    job = slurm.run("node1", ["scontrol", "show", "job", "-o", job_id], env=slurm.slurm_env()).stdout
+    assert "Restarts=1" in job.split(), job
+    result = json.loads((out / "rank0.json").read_text())
+    assert result["started_at"] >= 3
+    assert result["digest"] == json.loads((tmp_path / "straight" / "rank0.json").read_text())["digest"]
     assert_no_job_left(slurm)

@@ -51,3 +51,18 @@ def test_unknown_option_is_refused(workdir: Path, capsys: pytest.CaptureFixture[
         parse_submit(["--gpus", "2", "train.py"])
     assert exit_info.value.code == 2
     assert "unrecognized arguments: --gpus" in capsys.readouterr().err
+
+
+def test_requeue_script_catches_the_signal_and_requeues(workdir: Path) -> None:
+    request, _ = parse_submit(["-N", "2", "--requeue", "--signal-before", "300", "train.py", "--resume"])
+    text = request.render()
+    assert "#SBATCH --signal=B:USR1@300\n#SBATCH --open-mode=append\n#SBATCH --requeue\n" in text
+    assert "trap on_signal USR1 TERM\n" in text
+    assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 train.py --resume &\nstep=$!\n" in text
+    assert 'if [ "$preempted" = 1 ] || [ "$status" = 75 ]; then' in text
+    assert '    scontrol requeue "$SLURM_JOB_ID"\n' in text
+
+
+def test_requeue_without_resume_warns(workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    parse_submit(["--requeue", "train.py"])
+    assert "a requeued run starts over" in caplog.text

@@ -8,6 +8,7 @@ from ``scontrol show hostnames``).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import subprocess
@@ -15,9 +16,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE
 from spikingsail.errors import LaunchError
-from spikingsail.launchers.request import LaunchRequest
+from spikingsail.launchers.request import FORWARDED_SIGNALS, LaunchRequest
 from spikingsail.launchers.slurm import DIST_INIT_METHODS, task_step, torchrun_step
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -39,6 +43,8 @@ class SubmitRequest:
     torchrun_args: list[str] = field(default_factory=list)
     master_port: int = 29500
     workdir: str = field(default_factory=os.getcwd)
+    requeue: bool = False
+    signal_before: int = 120
 
     def directives(self) -> list[str]:
         torchrun = self.dist_init_method == "torchrun"
@@ -55,7 +61,11 @@ class SubmitRequest:
             ("output", self.output or f"{self.job_name}-%j.out"),
             ("error", self.error),
         ]
+        if self.requeue:
+            pairs += [("signal", f"B:USR1@{self.signal_before}"), ("open-mode", "append")]
         lines = [f"#SBATCH --{key}={value}" for key, value in pairs if value is not None]
+        if self.requeue:
+            lines.append("#SBATCH --requeue")
         return lines + [f"#SBATCH {arg}" for arg in self.extra_sbatch]
 
     def srun_argv(self) -> list[str]:
@@ -72,6 +82,7 @@ class SubmitRequest:
         return torchrun_step(request, "$SLURM_NNODES", str(self.nproc_per_node), endpoint, "$SLURM_JOB_ID")
 
     def render(self) -> str:
+        step = " ".join(_shell_word(a) for a in self.srun_argv())
         return "\n".join(
             [
                 "#!/bin/bash",
@@ -82,10 +93,32 @@ class SubmitRequest:
                 f"cd {shlex.quote(self.workdir)}",
                 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
                 "export MASTER_ADDR",
-                " ".join(_shell_word(a) for a in self.srun_argv()),
+                *(_requeue_block(step) if self.requeue else [step]),
                 "",
             ]
         )
+
+
+def _requeue_block(step: str) -> list[str]:
+    """Run the step in the background so this shell can catch SLURM's signals and requeue the job."""
+    return [
+        "# SLURM sends USR1 to this shell before the time limit (--signal) and TERM when it preempts",
+        "# the job. The step gets USR1: every rank finishes its step, saves a checkpoint and exits",
+        f"# with status {PREEMPTED_EXIT_CODE}. Then the job goes back into the queue, and the next run resumes.",
+        "preempted=0",
+        'on_signal() { preempted=1; kill -USR1 "$step" 2>/dev/null || true; }',
+        "trap on_signal USR1 TERM",
+        f"{step} &",
+        "step=$!",
+        "status=0",
+        'wait "$step" || status=$?',
+        'while kill -0 "$step" 2>/dev/null; do status=0; wait "$step" || status=$?; done',
+        f'if [ "$preempted" = 1 ] || [ "$status" = {PREEMPTED_EXIT_CODE} ]; then',
+        '    echo "sail: job $SLURM_JOB_ID stopped for preemption (status $status); requeueing it" >&2',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$status"',
+    ]
 
 
 def _shell_word(arg: str) -> str:
@@ -122,6 +155,19 @@ def parser() -> argparse.ArgumentParser:
         metavar="ARG",
         help="any other #SBATCH line, e.g. --sbatch-arg=--exclusive (repeatable)",
     )
+    p.add_argument(
+        "--requeue",
+        action="store_true",
+        help="on preemption or near the time limit, checkpoint and put the job back in the queue "
+        "(the script should take --resume --checkpoints-path)",
+    )
+    p.add_argument(
+        "--signal-before",
+        type=int,
+        default=120,
+        metavar="SECONDS",
+        help="with --requeue: how long before the time limit SLURM signals the job (default 120)",
+    )
     p.add_argument("--dist-init-method", choices=DIST_INIT_METHODS, default="torchrun")
     p.add_argument("--max-restarts", type=int, help="torchrun's --max-restarts")
     p.add_argument("--master-port", type=int, default=29500)
@@ -154,9 +200,18 @@ def parse_submit(argv: list[str]) -> tuple[SubmitRequest, argparse.Namespace]:
         output=ns.output,
         error=ns.error,
         extra_sbatch=list(ns.sbatch_arg),
-        torchrun_args=["--max-restarts", str(ns.max_restarts)] if ns.max_restarts is not None else [],
+        # torchrun's agent passes SIGUSR1 (sbatch --signal) on to the workers only when told to
+        torchrun_args=[
+            *(["--max-restarts", str(ns.max_restarts)] if ns.max_restarts is not None else []),
+            "--signals-to-handle",
+            FORWARDED_SIGNALS,
+        ],
         master_port=ns.master_port,
+        requeue=ns.requeue,
+        signal_before=ns.signal_before,
     )
+    if ns.requeue and "--resume" not in ns.script_args and "--resume-from" not in ns.script_args:
+        log.warning("--requeue without --resume in the script's arguments: a requeued run starts over")
     return request, ns
 
 

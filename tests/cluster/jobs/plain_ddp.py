@@ -38,6 +38,10 @@ def main() -> None:
         "digest": digest,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(record))
+    # DDP's C++ reducer must not be the last owner of the gloo group: freed after
+    # destroy_process_group it joins gloo's threads while holding the GIL, and a thread that
+    # needs the GIL to drop its last work item hangs the exit (torch 2.13, now and then).
+    del model, optimizer
     dist.destroy_process_group()
 
 

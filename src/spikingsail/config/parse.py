@@ -22,6 +22,7 @@ from spikingsail.config.schema import (
     SailConfig,
     SailSection,
     SchedulerConfig,
+    SNNConfig,
     ZeroConfig,
 )
 from spikingsail.errors import ConfigError
@@ -108,6 +109,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "scheduler": SchedulerConfig,
     "sail": SailSection,
     "checkpoint": CheckpointConfig,
+    "snn": SNNConfig,
 }
 _SCALARS: dict[str, type[Any]] = {
     "gradient_clipping": float,
@@ -321,5 +323,17 @@ def _check_semantics(config: SailConfig) -> None:
             f"{where}: checkpoint.interval_steps, interval_seconds and keep_last must be ≥ 0",
             fix="use 0 to turn each off",
         )
+    snn = config.snn
+    for key, value, allowed in (("reset", snn.reset, ("per_batch", "off")),
+                                ("step_mode", snn.step_mode, (None, "s", "m")),
+                                ("encoding", snn.encoding, ("repeat", "poisson"))):  # fmt: skip
+        if value not in allowed:
+            raise ConfigError(
+                f"{where}: snn.{key} is {value!r}",
+                fix=f"use one of {', '.join(repr(a) for a in allowed if a is not None)}"
+                + (" (or leave it out)" if None in allowed else ""),
+            )
+    if snn.time_steps < 1:
+        raise ConfigError(f"{where}: snn.time_steps is {snn.time_steps}", "it must be ≥ 1")
     if config.sail.timeout_minutes <= 0:
         raise ConfigError(f"{where}: sail.timeout_minutes must be > 0")

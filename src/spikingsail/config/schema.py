@@ -85,6 +85,22 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class SNNConfig:
+    enabled: bool | None = None
+    """None: on when the model has spiking neurons (spikingjelly); false: no SNN handling at all."""
+    reset: str = "per_batch"
+    """per_batch: the engine resets neuron state between batches and micro-batches; off: the script does."""
+    step_mode: str | None = None
+    """Set every spiking layer to 's' (one time step per call) or 'm' ([T, N, ...] per call); None keeps the model's."""
+    time_steps: int = 4
+    """T for engine.encode()."""
+    encoding: str = "repeat"
+    """How engine.encode() makes [T, N, ...] from a static input: repeat (direct) or poisson (rate)."""
+    sync_batchnorm: bool = False
+    """Synchronise batch-norm statistics across ranks, over T × N samples in multi-step mode."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class SailSection:
     backend: str = "ddp"
     """Which engine backend runs the job (see ``spikingsail.backends.available()``)."""
@@ -120,6 +136,7 @@ class SailConfig:
     steps_per_print: int = 10
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    snn: SNNConfig = field(default_factory=SNNConfig)
     sail: SailSection = field(default_factory=SailSection)
     inert_keys: tuple[str, ...] = ()
     """DeepSpeed keys present in the file that SpikingSail accepts but does not act on."""

@@ -36,8 +36,11 @@ class ShardedLoader:
         num_workers: int = 0,
         pin_memory: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        on_batch: Callable[[], None] | None = None,
         **loader_kwargs: Any,
     ) -> None:
+        """``on_batch`` runs before each batch is handed out (the engine resets spiking neurons there)."""
+        self.on_batch = on_batch
         length = len(dataset)  # type: ignore[arg-type]
         self.sampler: ResumableShardSampler | ExactShardSampler = (
             ResumableShardSampler(
@@ -81,6 +84,8 @@ class ShardedLoader:
         step = self.batch_size * self.world_size
         for batch in self.loader:
             self.position += step
+            if self.on_batch is not None:
+                self.on_batch()
             yield batch
         self.epoch += 1
         self.position = 0

@@ -33,6 +33,9 @@ from spikingsail.errors import ConfigError
 from spikingsail.monitor.steps import StepMonitor, StepRecord
 from spikingsail.optim.optimizers import build_optimizer
 from spikingsail.optim.schedulers import build_scheduler
+from spikingsail.snn.encoding import encode
+from spikingsail.snn.support import SpikingSupport
+from spikingsail.snn.syncbn import convert_sync_batchnorm
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +62,12 @@ class Engine:
         self.device = backend.setup()
         try:
             self.module = model.to(self.device)
+            self.snn = SpikingSupport.for_model(config.snn, self.module, config.source)
+            if config.snn.sync_batchnorm and rank_info.distributed:
+                self.module = convert_sync_batchnorm(self.module)  # keeps the Parameter objects
             if optimizer is None:
                 assert config.optimizer is not None  # _check_optimizer_source made sure
-                optimizer = build_optimizer(config.optimizer, model.parameters(), config.source)
+                optimizer = build_optimizer(config.optimizer, self.module.parameters(), config.source)
             self.precision = select_precision(config, self.device)
             self.wrapped_module, self.optimizer = backend.wrap(self.module, optimizer)
             self.lr_scheduler = lr_scheduler
@@ -105,6 +111,7 @@ class Engine:
         if self._move_inputs:
             inputs, kwargs = _to_device((inputs, kwargs), self.device)
         sync = self.is_gradient_accumulation_boundary() or not torch.is_grad_enabled()
+        self.snn.before_forward()
         with self.backend.gradient_sync(sync), self.precision.autocast():
             return self.wrapped_module(*inputs, **kwargs)
 
@@ -114,6 +121,7 @@ class Engine:
             loss = loss / self.config.gradient_accumulation_steps
         self._window_losses.append(loss.detach())
         torch.autograd.backward(self.precision.scale_loss(loss))
+        self.snn.after_backward()
 
     def step(self) -> None:
         """End a micro-step; on an accumulation boundary, update the weights."""
@@ -222,6 +230,8 @@ class Engine:
         return self.rank_info.world_size
 
     def train(self, mode: bool = True) -> Engine:
+        if mode != self.wrapped_module.training:
+            self.snn.on_mode_change()
         self.wrapped_module.train(mode)
         return self
 
@@ -259,6 +269,7 @@ class Engine:
             seed=seed if seed is not None else (self.config.sail.seed or 0),
             pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory,
             collate_fn=collate_fn,
+            on_batch=self.snn.on_batch if self.snn.manages_state else None,
             **loader_kwargs,
         )
         pending = self._pending_loader_states.pop(len(self.loaders), None)
@@ -321,6 +332,7 @@ class Engine:
         path, client_state = engine_state.load(
             self, load_dir, tag, load_optimizer_states, group=self._checkpoint_group()
         )
+        self.snn.after_load()
         log.info("resumed from %s at step %d", path, self.global_steps)
         return str(path), client_state
 
@@ -338,6 +350,18 @@ class Engine:
         for index, loader in enumerate(self.loaders):
             if index in self._pending_loader_states:
                 loader.load_state_dict(self._pending_loader_states.pop(index))
+
+    # -- spiking networks ------------------------------------------------------------------------
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """A static input as a ``[T, N, ...]`` sequence on the engine's device (config ``snn``:
+        ``time_steps`` and ``encoding``, repeat or poisson)."""
+        x = x.to(self.device, non_blocking=True)
+        return encode(x, self.config.snn.time_steps, self.config.snn.encoding)
+
+    def reset_neurons(self) -> None:
+        """Reset the state of every spiking neuron now (for scripts with ``snn.reset: off``)."""
+        self.snn.reset()
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over all ranks (a copy; the input is left as it was)."""
@@ -359,7 +383,11 @@ class Engine:
             log.error("%s", err)
         finally:
             self.monitor.close()
-            self._ckpt_group = None  # the group must die with the backend's, not at interpreter exit
+            if self._ckpt_group is not None:
+                # now, not at interpreter exit, and also when the default group is the user's
+                if dist.is_initialized():
+                    dist.destroy_process_group(self._ckpt_group)
+                self._ckpt_group = None
             self.backend.teardown()
 
     def __enter__(self) -> Engine:

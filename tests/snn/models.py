@@ -1,0 +1,34 @@
+"""Small spiking models for the SNN tests (spikingjelly, multi-step LIF with surrogate gradients)."""
+
+from __future__ import annotations
+
+import torch
+from spikingjelly.activation_based import layer, neuron, surrogate
+from torch import nn
+
+
+def lif() -> nn.Module:
+    return neuron.LIFNode(tau=2.0, surrogate_function=surrogate.ATan(), detach_reset=True)
+
+
+def spiking_mlp(batch_norm: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        layer.Linear(6, 16),
+        *([layer.BatchNorm1d(16)] if batch_norm else []),
+        lif(),
+        layer.Linear(16, 3),
+        lif(),
+    )
+
+
+def spiking_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        layer.Conv2d(1, 4, 3, padding=1, bias=False),
+        layer.BatchNorm2d(4),
+        lif(),
+        layer.Flatten(),
+        layer.Linear(4 * 4 * 4, 3),
+        lif(),
+    )

@@ -117,7 +117,10 @@ def bench_async(args: argparse.Namespace, root: Path) -> None:
     stall = time.perf_counter() - start
     during = []
     handle = engine._pending_save
-    while handle is not None and not handle.done.done():
+    while True:  # train until every rank's background write has finished (ranks agree each step)
+        writing = torch.tensor([float(handle is not None and not handle.done.done())])
+        if not engine.all_reduce(writing).item():
+            break
         begin = time.perf_counter()
         train_step(engine)
         during.append(time.perf_counter() - begin)

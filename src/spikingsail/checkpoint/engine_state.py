@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from spikingsail.checkpoint import dcp_io
-from spikingsail.checkpoint.store import CheckpointError, CheckpointStore
+from spikingsail.checkpoint.store import CheckpointError, CheckpointStore, seal
 
 if TYPE_CHECKING:
     from spikingsail.engine.engine import Engine
@@ -84,9 +84,11 @@ def save(
     keep_last = engine.config.checkpoint.keep_last
 
     def commit() -> None:
-        # Every rank wrote its own files before entering DCP's save, whose last step gathers all ranks.
+        # Each rank fsyncs and hashes what it wrote (in parallel across ranks and threads);
+        # rank 0 gathers the manifest entries and seals the checkpoint.
+        sealed = _gather_to_rank0(seal(staging, _files_written_by(staging, rank)), group)
         if rank == 0:
-            store.commit(tag, metadata)
+            store.commit(tag, metadata, sealed)
             store.prune(keep_last)
 
     state = dcp_io.state_to_save(engine.module, engine.optimizer)
@@ -154,6 +156,25 @@ def load(
     _barrier()
     client_state: dict[str, Any] = state["client_state"]
     return path, client_state
+
+
+def _files_written_by(staging: Path, rank: int) -> list[Path]:
+    own = [staging / "rng" / f"rank{rank}.pt", staging / "grads" / f"rank{rank}.pt",
+           *(staging / STATE_DIR).glob(f"__{rank}_*.distcp")]  # fmt: skip
+    if rank == 0:
+        own += [staging / "engine.pt", staging / STATE_DIR / dcp_io.METADATA]
+    return [path for path in own if path.is_file()]
+
+
+def _gather_to_rank0(entries: dict[str, Any], group: dist.ProcessGroup | None) -> dict[str, Any]:
+    if group is None:
+        return entries
+    gathered: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(entries, gathered, dst=0, group=group)
+    merged: dict[str, Any] = {}
+    for part in gathered or []:
+        merged.update(part)
+    return merged
 
 
 def _engine_state(engine: Engine, client_state: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +52,22 @@ class CheckpointStore:
         staging.mkdir()
         return staging
 
-    def commit(self, tag: str, metadata: dict[str, Any]) -> Path:
-        """Seal the staging directory: manifest, fsync, rename into place, move ``latest``."""
+    def commit(
+        self, tag: str, metadata: dict[str, Any], sealed: dict[str, dict[str, Any]] | None = None
+    ) -> Path:
+        """Seal the staging directory: manifest, fsync, rename into place, move ``latest``.
+
+        ``sealed``: manifest entries of files already fsynced and hashed (by the ranks that wrote
+        them, see ``seal``); the remaining files are sealed here.
+        """
         staging = self.staging(tag)
-        files = {}
-        for path in sorted(p for p in staging.rglob("*") if p.is_file()):
-            _fsync_file(path)
-            files[str(path.relative_to(staging))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
-        manifest = {"format": 1, "tag": tag, "created": time.time(), "files": files, **metadata}
+        files = dict(sealed or {})
+        rest = [
+            p for p in sorted(staging.rglob("*")) if p.is_file() and str(p.relative_to(staging)) not in files
+        ]
+        files.update(seal(staging, rest))
+        manifest = {"format": 1, "tag": tag, "created": time.time(), "files": dict(sorted(files.items())),
+                    **metadata}  # fmt: skip
         _write_durably(staging / MANIFEST, json.dumps(manifest, indent=1))
         for directory in sorted({p.parent for p in staging.rglob("*")} | {staging}):
             _fsync_dir(directory)
@@ -153,6 +162,23 @@ class CheckpointStore:
     def metadata(self, tag: str) -> dict[str, Any]:
         data: dict[str, Any] = json.loads((self.root / tag / MANIFEST).read_text())
         return data
+
+
+def seal(root: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
+    """fsync and hash files (manifest entries keyed by path relative to ``root``).
+
+    Both release the GIL, so threads overlap the disk flush with the hashing and spread the
+    hashing of several files over the cores.
+    """
+    if not paths:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(8, 2 * len(paths)), thread_name_prefix="sail-seal") as pool:
+        synced = [pool.submit(_fsync_file, p) for p in paths]
+        digests = [pool.submit(_sha256, p) for p in paths]
+        for done in synced:
+            done.result()
+        return {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": d.result()}
+                for p, d in zip(paths, digests, strict=True)}  # fmt: skip
 
 
 def _check_tag(tag: str) -> None:

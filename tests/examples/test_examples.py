@@ -35,6 +35,14 @@ def test_main_job_reaches_95_percent(tmp_path: Path) -> None:
     assert "[rank0]" in result.stderr
 
 
+def test_snn_example_reaches_90_percent(tmp_path: Path) -> None:
+    result = sail_launch(str(ROOT / "examples" / "snn_digits.py"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    match = re.search(r"test accuracy: ([0-9.]+) \(359 images, 2 processes\)", result.stdout)
+    assert match, result.stdout
+    assert float(match.group(1)) >= 0.90
+
+
 def test_seed_000_script_runs_as_written(tmp_path: Path) -> None:
     example = ROOT / "examples" / "seed000"
     result = sail_launch(

@@ -10,6 +10,7 @@ from spikingsail.errors import BackendError
 # name -> "module:Class", so that choosing one backend never imports another's dependencies.
 _REGISTRY: dict[str, str] = {
     "ddp": "spikingsail.backends.ddp:DDPBackend",
+    "fsdp": "spikingsail.backends.fsdp:FSDPBackend",
 }
 
 __all__ = ["Backend", "available", "backend_class"]

@@ -1,0 +1,105 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters, gradients and optimizer state sharded over ranks.
+
+Every direct child module that holds parameters becomes one FSDP unit (its parameters are gathered
+for its forward and backward only), then the root takes the rest. ``fully_shard`` swaps each
+parameter for a sharded DTensor one, so the optimizer's groups are pointed at the new parameters
+(it must not have stepped yet; it stays the same object, with its groups and hyperparameters). Mixed precision follows the
+config: with ``bf16`` (``fp16``) parameters are gathered in bfloat16 (float16) and gradients reduced
+in float32. Checkpoints go through torch.distributed.checkpoint like every backend's, each rank
+writing its own shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from spikingsail.backends.base import Backend
+from spikingsail.backends.process_group import join_process_group, leave_process_group, select_device
+from spikingsail.config.schema import SailConfig
+from spikingsail.environments import RankInfo
+from spikingsail.errors import BackendError
+
+
+class FSDPBackend(Backend):
+    name = "fsdp"
+    honoured_deepspeed_keys: ClassVar[frozenset[str]] = frozenset()
+    max_zero_stage: ClassVar[int] = 3
+
+    def __init__(self, config: SailConfig, rank_info: RankInfo) -> None:
+        super().__init__(config, rank_info)
+        self.root: FSDPModule | None = None
+        self._owns_group = False
+
+    def setup(self) -> torch.device:
+        self.device = select_device(self.rank_info)
+        self._owns_group = join_process_group(self.config, self.rank_info, self.device)
+        return self.device
+
+    def wrap(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        if optimizer.state:
+            raise BackendError(
+                "the optimizer given to the FSDP backend has already stepped",
+                "fully_shard replaces every parameter with a sharded one, and the optimizer's state would belong to the old ones",
+                "create the optimizer (or let the config create it) and hand it over before the first step",
+            )
+        if not self.rank_info.distributed:
+            return model, optimizer  # one process: nothing to shard
+        names = {id(p): n for n, p in model.named_parameters()}
+        unknown = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in names]
+        if unknown:
+            raise BackendError(
+                f"the optimizer holds {len(unknown)} tensor(s) that are not parameters of the model",
+                "the FSDP backend points the optimizer at the model's sharded parameters",
+                "build the optimizer from model.parameters()",
+            )
+        policy = MixedPrecisionPolicy(**self._precision())
+        for child in model.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        assert isinstance(model, FSDPModule)
+        self.root = model
+        sharded = dict(model.named_parameters())
+        for group in optimizer.param_groups:  # it has no state yet, so swapping the tensors is all
+            group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        return model, optimizer
+
+    def _precision(self) -> dict[str, Any]:
+        if self.config.bf16.enabled:
+            return {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+        if self.config.fp16.enabled:
+            return {"param_dtype": torch.float16, "reduce_dtype": torch.float32}
+        return {}
+
+    def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager[None]:
+        if self.root is None or enabled:
+            return contextlib.nullcontext()
+        return self._no_sync(self.root)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _no_sync(root: FSDPModule) -> Iterator[None]:
+        # FSDP2 keeps the unsharded gradients and reduce-scatters them on the first synchronised backward
+        root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+
+    def clip_grad_norm_(self, parameters: Iterator[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def teardown(self) -> None:
+        self.root = None
+        if self._owns_group:
+            leave_process_group()
+            self._owns_group = False

@@ -1,0 +1,132 @@
+"""The FSDP2 backend on 2 real gloo ranks: same training as DDP, sharded state, exact resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils.data import TensorDataset
+
+import spikingsail
+from spikingsail.environments import RankInfo
+from spikingsail.errors import BackendError
+from tests.multiprocess import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+MICRO_STEPS = 12
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+
+
+def config(backend: str) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
+        "gradient_clipping": 0.5,
+        "sail": {"backend": backend, "seed": 4, "progress_bar": False},
+    }
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g))
+
+
+def train(backend: str, checkpoints: str | None = None, stop_at: int | None = None,
+          resume: bool = False) -> dict[str, Any] | None:  # fmt: skip
+    engine, _ = spikingsail.initialize(model=model(), config=config(backend), checkpoints_path=checkpoints,
+                                       resume=resume)  # fmt: skip
+    loader = engine.dataloader(data())
+    while engine.micro_steps < MICRO_STEPS:
+        for x, y in loader:
+            engine.backward(F.cross_entropy(engine(x), y))
+            engine.step()
+            if engine.micro_steps == stop_at:
+                assert checkpoints is not None
+                engine.save_checkpoint(checkpoints)
+                engine.close()
+                return None
+            if engine.micro_steps == MICRO_STEPS:
+                break
+    weight = engine.module[0].weight
+    local_rows = weight.to_local().shape[0] if isinstance(weight, DTensor) else weight.shape[0]
+    full = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True))
+    result = {"params": {k: v.clone() for k, v in full.items()}, "local_rows": local_rows,
+              "steps": engine.global_steps}  # fmt: skip
+    engine.close()
+    return result
+
+
+def test_fsdp_trains_like_ddp_with_sharded_parameters() -> None:
+    ddp = run_ranks(train, 2, "ddp")
+    fsdp = run_ranks(train, 2, "fsdp")
+    assert fsdp[0]["local_rows"] == fsdp[1]["local_rows"] == 16  # each rank holds half of the 32 rows
+    assert ddp[0]["local_rows"] == 32
+    for rank in (0, 1):
+        assert fsdp[rank]["steps"] == ddp[rank]["steps"] == MICRO_STEPS // 2
+        for key, value in ddp[rank]["params"].items():
+            # reduce-scatter and all-reduce add the two ranks' gradients in different orders
+            torch.testing.assert_close(fsdp[rank]["params"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_fsdp_resume_is_exact(tmp_path: Path) -> None:
+    straight = run_ranks(train, 2, "fsdp")
+    assert run_ranks(train, 2, "fsdp", str(tmp_path), 6) == {0: None, 1: None}
+    assert sorted(p.name for p in (tmp_path / "global_step3" / "state").glob("*.distcp")) == [
+        "__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"]  # fmt: skip
+    resumed = run_ranks(train, 2, "fsdp", str(tmp_path), None, True)
+    for rank in (0, 1):
+        for key, value in straight[rank]["params"].items():
+            assert torch.equal(resumed[rank]["params"][key], value), key
+
+
+def test_an_optimizer_that_has_stepped_is_refused() -> None:
+    net = model()
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.1)
+    net(torch.ones(1, 6)).sum().backward()
+    optimizer.step()
+    with pytest.raises(BackendError, match="has already stepped"):
+        spikingsail.initialize(model=net, optimizer=optimizer, rank_info=RankInfo.single(),
+                               config={"train_micro_batch_size_per_gpu": 1, "sail": {"backend": "fsdp"}})  # fmt: skip
+
+
+def bf16_dtypes() -> dict[str, str]:
+    cfg = {**config("fsdp"), "bf16": {"enabled": True}}
+    engine, _ = spikingsail.initialize(model=model(), config=cfg)
+    seen: dict[str, str] = {}
+    first = engine.module[0]
+
+    def hook(module: torch.nn.Module, _args: Any) -> None:
+        seen.setdefault("in_forward", str(module.weight.dtype))
+
+    first.register_forward_pre_hook(hook)
+    x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+    engine.backward(F.cross_entropy(engine(x).float(), y))
+    engine.step()
+    seen["stored"] = str(first.weight.dtype)
+    engine.close()
+    return seen
+
+
+def test_bf16_gathers_parameters_in_bfloat16_and_keeps_float32_shards() -> None:
+    for seen in run_ranks(bf16_dtypes, 2).values():
+        assert seen == {"in_forward": "torch.bfloat16", "stored": "torch.float32"}
+
+
+def test_a_ddp_checkpoint_resumes_under_fsdp(tmp_path: Path) -> None:
+    straight = run_ranks(train, 2, "ddp")
+    assert run_ranks(train, 2, "ddp", str(tmp_path), 6) == {0: None, 1: None}
+    resumed = run_ranks(train, 2, "fsdp", str(tmp_path), None, True)
+    for rank in (0, 1):
+        assert resumed[rank]["local_rows"] == 16
+        for key, value in straight[rank]["params"].items():
+            torch.testing.assert_close(resumed[rank]["params"][key], value, rtol=1e-5, atol=1e-6, msg=key)

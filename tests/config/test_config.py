@@ -154,6 +154,7 @@ def test_deepspeed_keys_without_effect_warn(caplog: pytest.LogCaptureFixture) ->
         in text
     )
     assert "zero_optimization.stage 2 has no effect with backend ddp" in text
+    assert 'To shard them, set "sail": {"backend": ...} to one of: fsdp.' in text
 
 
 def test_seed_000_config_loads() -> None:

@@ -13,7 +13,7 @@ _REGISTRY: dict[str, str] = {
     "fsdp": "spikingsail.backends.fsdp:FSDPBackend",
 }
 
-__all__ = ["Backend", "available", "backend_class"]
+__all__ = ["Backend", "available", "backend_class", "sharding_backends"]
 
 
 def available() -> list[str]:
@@ -30,3 +30,8 @@ def backend_class(name: str, where: str = "<config>") -> type[Backend]:
     module_name, _, class_name = target.partition(":")
     cls: type[Backend] = getattr(importlib.import_module(module_name), class_name)
     return cls
+
+
+def sharding_backends(stage: int) -> list[str]:
+    """The backends that implement ``zero_optimization.stage`` ``stage`` (imports each to ask)."""
+    return [name for name in available() if backend_class(name).max_zero_stage >= stage]

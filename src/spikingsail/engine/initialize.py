@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from spikingsail.backends import backend_class
+from spikingsail.backends import backend_class, sharding_backends
 from spikingsail.checkpoint.store import CheckpointStore
 from spikingsail.config.parse import load_config
 from spikingsail.config.schema import SailConfig, summary
@@ -199,11 +199,11 @@ def _report_unused(config: SailConfig, backend: str, honoured: frozenset[str], m
     if stage > max_stage:
         log.warning(
             "%s: zero_optimization.stage %d has no effect with backend %s: every rank keeps the full "
-            'optimizer state and gradients. Set "sail": {"backend": ...} to a backend that shards '
-            "to save memory.",
+            'optimizer state and gradients. To shard them, set "sail": {"backend": ...} to one of: %s.',
             config.source,
             stage,
             backend,
+            ", ".join(sharding_backends(stage)),
         )
 
 

@@ -2,15 +2,18 @@
 
 An adapter says whether a model holds stateful spiking modules of its library, resets their state
 and sets their step mode. spikingjelly's is built in; snntorch or norse fit the same four methods
-(``register_adapter``). A library that is not installed is simply never matched.
+(``register_adapter``). A library the process has not imported is never matched, and never
+imported: a conventional model pays nothing.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from abc import ABC, abstractmethod
 
 import torch
+
+_BASE = "spikingjelly.activation_based.base"
 
 
 class SpikingAdapter(ABC):
@@ -18,7 +21,7 @@ class SpikingAdapter(ABC):
 
     @abstractmethod
     def available(self) -> bool:
-        """Whether the library can be imported here (checked without importing it)."""
+        """Whether the library is in use in this process (checked without importing it)."""
 
     @abstractmethod
     def stateful_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -39,12 +42,12 @@ class SpikingJellyAdapter(SpikingAdapter):
     name = "spikingjelly"
 
     def available(self) -> bool:
-        return importlib.util.find_spec("spikingjelly") is not None
+        # A model made of spikingjelly modules has imported it; never import it for one that is not.
+        return _BASE in sys.modules
 
     def stateful_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
-        from spikingjelly.activation_based import base
-
-        return [m for m in model.modules() if isinstance(m, base.MemoryModule)]
+        memory_module = sys.modules[_BASE].MemoryModule
+        return [m for m in model.modules() if isinstance(m, memory_module)]
 
     def reset(self, modules: list[torch.nn.Module]) -> None:
         for module in modules:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from spikingjelly.activation_based import layer
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import TensorDataset
 
 import spikingsail
@@ -64,13 +65,13 @@ def test_multi_step_sync_batchnorm_matches_batchnorm_over_the_whole_batch() -> N
         torch.testing.assert_close(ranks[1][key], whole[key])
 
 
-def snn_config(micro: int, accumulation: int) -> dict[str, Any]:
+def snn_config(micro: int, accumulation: int, backend: str = "ddp") -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
         "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
         "snn": {"step_mode": "m", "time_steps": 4, "sync_batchnorm": True},
-        "sail": {"seed": 3, "progress_bar": False},
+        "sail": {"seed": 3, "progress_bar": False, "backend": backend},
     }
 
 
@@ -81,10 +82,10 @@ def digits() -> TensorDataset:
 
 def snn_train(
     single: bool, micro: int, accumulation: int, checkpoints: str | None = None,
-    stop_at: int | None = None, resume: bool = False, micro_steps: int = 12,
+    stop_at: int | None = None, resume: bool = False, micro_steps: int = 12, backend: str = "ddp",
 ) -> dict[str, Any] | None:  # fmt: skip
     engine, _ = spikingsail.initialize(
-        model=spiking_cnn(), config=snn_config(micro, accumulation),
+        model=spiking_cnn(), config=snn_config(micro, accumulation, backend),
         rank_info=RankInfo.single() if single else None, checkpoints_path=checkpoints, resume=resume,
     )  # fmt: skip
     loader = engine.dataloader(digits())
@@ -100,15 +101,16 @@ def snn_train(
                 return None
             if engine.micro_steps == micro_steps:
                 break
-    state = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    full = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True))
+    state = {k: v.clone() for k, v in full.items()}
     engine.close()
     return state
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
-def test_two_ranks_of_b_equal_one_process_of_2b(accumulation: int) -> None:
+@pytest.mark.parametrize(("accumulation", "backend"), [(1, "ddp"), (2, "ddp"), (2, "fsdp")])
+def test_two_ranks_of_b_equal_one_process_of_2b(accumulation: int, backend: str) -> None:
     reference = snn_train(True, 8, accumulation)
-    ranks = run_ranks(snn_train, 2, False, 4, accumulation)
+    ranks = run_ranks(snn_train, 2, False, 4, accumulation, None, None, False, 12, backend)
     assert reference is not None
     assert any("running_mean" in key for key in reference)  # batch norm took part
     for rank in (0, 1):

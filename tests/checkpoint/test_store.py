@@ -224,3 +224,41 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     assert "the background save of" in refusals[1] and "too-big failed" in refusals[1]
     assert all("why: RuntimeError" in line and "still 'latest'" in line for line in refusals)
     assert "latest: good ['good']" in result.stdout
+
+
+def seal_fails_on_rank_one(root: str) -> str:
+    """Rank 1 cannot seal its files (fault injected at the seal step); every rank must hear of it."""
+    import torch.distributed as dist
+
+    from spikingsail.checkpoint import engine_state
+
+    e, _ = spikingsail.initialize(model=torch.nn.Linear(3, 2), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "sail": {"progress_bar": False}})  # fmt: skip
+    e.save_checkpoint(root, tag="good")
+    if dist.get_rank() == 1:
+        real_seal = engine_state.seal
+
+        def failing(staging: Path, paths: list[Path]) -> dict[str, object]:
+            if "doomed" in str(staging):
+                raise OSError("Input/output error")
+            return real_seal(staging, paths)
+
+        engine_state.seal = failing  # type: ignore[assignment]
+    try:
+        e.save_checkpoint(root, tag="doomed")
+    except CheckpointError as err:
+        outcome = str(err).splitlines()[1]
+    else:
+        outcome = "saved"
+    e.close()
+    return outcome
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_cannot_seal_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    from tests.multiprocess import run_ranks
+
+    outcomes = run_ranks(seal_fails_on_rank_one, 2, str(tmp_path))
+    assert outcomes == {0: "  why: rank 1: Input/output error", 1: "  why: rank 1: Input/output error"}
+    assert CheckpointStore(tmp_path).latest() == "good" and CheckpointStore(tmp_path).tags() == ["good"]

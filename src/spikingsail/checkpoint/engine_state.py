@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from spikingsail.engine.engine import Engine
 
 log = logging.getLogger(__name__)
+_FAILED = "<failed>"
 STATE_DIR = "state"
 """Model and optimizer state, written through torch.distributed.checkpoint."""
 _ALLOWED = (torch.Tensor, int, float, str, bool, bytes, type(None))
@@ -85,8 +86,18 @@ def save(
 
     def commit() -> None:
         # Each rank fsyncs and hashes what it wrote (in parallel across ranks and threads);
-        # rank 0 gathers the manifest entries and seals the checkpoint.
-        sealed = _gather_to_rank0(seal(staging, _files_written_by(staging, rank)), group)
+        # rank 0 seals the checkpoint with everyone's manifest entries.
+        # A rank that fails still takes part in the gather, so that no rank waits for it forever.
+        try:
+            entries: dict[str, Any] = seal(staging, _files_written_by(staging, rank))
+        except OSError as err:
+            entries = {_FAILED: f"rank {rank}: {err}"}
+        sealed = _gather_everywhere(entries, group)
+        failed = sealed.get(_FAILED)
+        if failed:
+            raise CheckpointError(
+                f"could not seal {staging}", str(failed), "the previous checkpoint is still 'latest'"
+            )
         if rank == 0:
             store.commit(tag, metadata, sealed)
             store.prune(keep_last)
@@ -166,13 +177,14 @@ def _files_written_by(staging: Path, rank: int) -> list[Path]:
     return [path for path in own if path.is_file()]
 
 
-def _gather_to_rank0(entries: dict[str, Any], group: dist.ProcessGroup | None) -> dict[str, Any]:
+def _gather_everywhere(entries: dict[str, Any], group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """Every rank's entries, on every rank (so that a failure on one is known to all)."""
     if group is None:
         return entries
-    gathered: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
-    dist.gather_object(entries, gathered, dst=0, group=group)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, entries, group=group)
     merged: dict[str, Any] = {}
-    for part in gathered or []:
+    for part in gathered:
         merged.update(part)
     return merged
 

@@ -122,11 +122,12 @@ def test_bf16_gathers_parameters_in_bfloat16_and_keeps_float32_shards() -> None:
         assert seen == {"in_forward": "torch.bfloat16", "stored": "torch.float32"}
 
 
-def test_a_ddp_checkpoint_resumes_under_fsdp(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("first", "then"), [("ddp", "fsdp"), ("fsdp", "ddp")])
+def test_a_checkpoint_resumes_under_the_other_backend(tmp_path: Path, first: str, then: str) -> None:
     straight = run_ranks(train, 2, "ddp")
-    assert run_ranks(train, 2, "ddp", str(tmp_path), 6) == {0: None, 1: None}
-    resumed = run_ranks(train, 2, "fsdp", str(tmp_path), None, True)
+    assert run_ranks(train, 2, first, str(tmp_path), 6) == {0: None, 1: None}
+    resumed = run_ranks(train, 2, then, str(tmp_path), None, True)
     for rank in (0, 1):
-        assert resumed[rank]["local_rows"] == 16
+        assert resumed[rank]["local_rows"] == (16 if then == "fsdp" else 32)
         for key, value in straight[rank]["params"].items():
             torch.testing.assert_close(resumed[rank]["params"][key], value, rtol=1e-5, atol=1e-6, msg=key)

@@ -1,12 +1,14 @@
-"""Step time of the SpikingSail engine against a hand-written DDP loop, on 2 gloo ranks.
+"""Step time of the SpikingSail engine against the same backend used by hand, on 2 gloo ranks.
 
-    python benchmarks/engine_vs_ddp.py            # re-launches itself with `sail launch -n 2`
+    python benchmarks/engine_vs_ddp.py                   # re-launches itself with `sail launch -n 2`
     python benchmarks/engine_vs_ddp.py --steps 400
+    python benchmarks/engine_vs_ddp.py --backend fsdp    # engine on FSDP2 against a fully_shard loop
 
 Both loops train the same model on the same pre-made batches in the same process group; their
 steps alternate one by one, so machine noise and allocator state hit both alike (alternating in
 blocks of steps biased the tiny model's ratio by up to ±10%). Prints the median step time of each
-after warm-up and their ratio (engine / DDP) for a tiny and a mid-size model.
+after warm-up and their ratio (engine / by hand) for a tiny and a mid-size model. The FSDP2 loop
+shards each child with parameters and then the root, as the engine's backend does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import spikingsail
@@ -60,23 +63,36 @@ def interleaved(
     return times
 
 
-def compare(name: str, make: Callable[[], nn.Module], steps: int) -> tuple[float, float]:
+def by_hand(model: nn.Module, backend: str) -> nn.Module:
+    if backend == "ddp":
+        return DistributedDataParallel(model)
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child)
+    fully_shard(model)
+    return model
+
+
+def compare(name: str, make: Callable[[], nn.Module], steps: int, backend: str) -> tuple[float, float]:
     torch.manual_seed(0)
     base = make()
-    ddp = DistributedDataParallel(copy.deepcopy(base))
-    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    hand = by_hand(copy.deepcopy(base), backend)
+    hand_opt = torch.optim.SGD(hand.parameters(), lr=0.01)
 
-    def ddp_step(x: torch.Tensor, y: torch.Tensor) -> None:
-        loss = F.cross_entropy(ddp(x), y)
+    def hand_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = F.cross_entropy(hand(x), y)
         loss.backward()
-        ddp_opt.step()
-        ddp_opt.zero_grad(set_to_none=True)
+        hand_opt.step()
+        hand_opt.zero_grad(set_to_none=True)
 
     model = copy.deepcopy(base)
     engine, _ = spikingsail.initialize(
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
-        config={"train_micro_batch_size_per_gpu": MICRO_BATCH, "sail": {"progress_bar": False}},
+        config={
+            "train_micro_batch_size_per_gpu": MICRO_BATCH,
+            "sail": {"progress_bar": False, "backend": backend},
+        },
     )
 
     def engine_step(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -84,10 +100,10 @@ def compare(name: str, make: Callable[[], nn.Module], steps: int) -> tuple[float
         engine.backward(loss)
         engine.step()
 
-    interleaved((ddp_step, engine_step), batches(base, WARMUP))
-    ddp_times, engine_times = interleaved((ddp_step, engine_step), batches(base, steps))
+    interleaved((hand_step, engine_step), batches(base, WARMUP))
+    hand_times, engine_times = interleaved((hand_step, engine_step), batches(base, steps))
     engine.close()
-    return statistics.median(ddp_times), statistics.median(engine_times)
+    return statistics.median(hand_times), statistics.median(engine_times)
 
 
 def main() -> None:
@@ -95,6 +111,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=300, help="measured steps per loop and model")
+    parser.add_argument("--backend", choices=["ddp", "fsdp"], default="ddp")
     args = parser.parse_args()
     if "RANK" not in os.environ:
         os.execv(
@@ -102,12 +119,13 @@ def main() -> None:
             [sys.executable, "-m", "spikingsail.cli.main", "launch", "-n", "2", __file__, *sys.argv[1:]],
         )
     dist.init_process_group("gloo")
-    rows = [(name, *compare(name, make, args.steps)) for name, make in MODELS.items()]
+    rows = [(name, *compare(name, make, args.steps, args.backend)) for name, make in MODELS.items()]
     if dist.get_rank() == 0:
-        print(f"\n{'model':<22}{'DDP ms/step':>14}{'engine ms/step':>16}{'ratio':>8}")
-        for name, ddp_time, engine_time in rows:
+        hand = f"{args.backend.upper()} ms/step"
+        print(f"\n{'model':<22}{hand:>14}{'engine ms/step':>16}{'ratio':>8}")
+        for name, hand_time, engine_time in rows:
             print(
-                f"{name:<22}{ddp_time * 1e3:>14.3f}{engine_time * 1e3:>16.3f}{engine_time / ddp_time:>8.3f}"
+                f"{name:<22}{hand_time * 1e3:>14.3f}{engine_time * 1e3:>16.3f}{engine_time / hand_time:>8.3f}"
             )
         print(
             f"(median of {args.steps} steps each, micro batch {MICRO_BATCH}, "

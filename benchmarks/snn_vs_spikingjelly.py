@@ -18,12 +18,11 @@ import copy
 import os
 import statistics
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from engine_vs_ddp import interleaved  # this directory is on sys.path when a benchmark runs
 from spikingjelly.activation_based import functional, layer, neuron, surrogate
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -53,19 +52,6 @@ def batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(dist.get_rank())
     return [(torch.rand(MICRO_BATCH, 1, 16, 16, generator=g), torch.randint(0, 10, (MICRO_BATCH,), generator=g))
             for _ in range(count)]  # fmt: skip
-
-
-def interleaved(
-    steps: tuple[Callable[[torch.Tensor, torch.Tensor], None], ...],
-    data: list[tuple[torch.Tensor, torch.Tensor]],
-) -> list[list[float]]:
-    times: list[list[float]] = [[] for _ in steps]
-    for x, y in data:
-        for step, bucket in zip(steps, times, strict=True):
-            start = time.perf_counter()
-            step(x, y)
-            bucket.append(time.perf_counter() - start)
-    return times
 
 
 def main() -> None:

@@ -11,13 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.harness import NamespaceCluster
-from tests.cluster.test_ssh_pdsh import JOB, SAIL, assert_no_job_left
+from tests.cluster.test_ssh_pdsh import JOB, SAIL, assert_no_job_left, records
 
 pytestmark = pytest.mark.cluster
-
-
-def records(tmp_path: Path) -> list[dict[str, object]]:
-    return [json.loads(p.read_text()) for p in sorted((tmp_path / "out").glob("rank*.json"))]
 
 
 @pytest.mark.parametrize(("mode", "source"), [("torchrun", "torchrun"), ("slurm", "slurm")])

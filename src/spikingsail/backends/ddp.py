@@ -7,24 +7,17 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from spikingsail.backends.base import Backend
-from spikingsail.backends.process_group import join_process_group, leave_process_group, select_device
+from spikingsail.backends.process_group import ProcessGroupBackend
 from spikingsail.config.schema import SailConfig
 from spikingsail.environments import RankInfo
 
 
-class DDPBackend(Backend):
+class DDPBackend(ProcessGroupBackend):
     name = "ddp"
 
     def __init__(self, config: SailConfig, rank_info: RankInfo) -> None:
         super().__init__(config, rank_info)
         self.ddp: DistributedDataParallel | None = None
-        self._owns_group = False
-
-    def setup(self) -> torch.device:
-        self.device = select_device(self.rank_info)
-        self._owns_group = join_process_group(self.config, self.rank_info, self.device)
-        return self.device
 
     def wrap(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
@@ -61,6 +54,4 @@ class DDPBackend(Backend):
             # interpreter shutdown); it must not keep the group, and gloo's threads, alive.
             del self.ddp.process_group
             self.ddp = None
-        if self._owns_group:
-            leave_process_group()
-            self._owns_group = False
+        super().teardown()

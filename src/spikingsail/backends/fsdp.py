@@ -19,14 +19,13 @@ import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from spikingsail.backends.base import Backend
-from spikingsail.backends.process_group import join_process_group, leave_process_group, select_device
+from spikingsail.backends.process_group import ProcessGroupBackend
 from spikingsail.config.schema import SailConfig
 from spikingsail.environments import RankInfo
 from spikingsail.errors import BackendError
 
 
-class FSDPBackend(Backend):
+class FSDPBackend(ProcessGroupBackend):
     name = "fsdp"
     honoured_deepspeed_keys: ClassVar[frozenset[str]] = frozenset()
     max_zero_stage: ClassVar[int] = 3
@@ -34,12 +33,6 @@ class FSDPBackend(Backend):
     def __init__(self, config: SailConfig, rank_info: RankInfo) -> None:
         super().__init__(config, rank_info)
         self.root: FSDPModule | None = None
-        self._owns_group = False
-
-    def setup(self) -> torch.device:
-        self.device = select_device(self.rank_info)
-        self._owns_group = join_process_group(self.config, self.rank_info, self.device)
-        return self.device
 
     def wrap(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
@@ -100,6 +93,4 @@ class FSDPBackend(Backend):
 
     def teardown(self) -> None:
         self.root = None
-        if self._owns_group:
-            leave_process_group()
-            self._owns_group = False
+        super().teardown()

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # public, not re-exported in stubs
 
+from spikingsail.backends.base import Backend
 from spikingsail.config.schema import SailConfig
 from spikingsail.environments import RankInfo
 from spikingsail.errors import BackendError
@@ -92,3 +93,22 @@ def _store(rank_info: RankInfo, timeout: datetime.timedelta) -> Store:
 def leave_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class ProcessGroupBackend(Backend):
+    """A backend on torch.distributed's default group: one device per process by local rank; the
+    group is joined at ``setup`` unless it exists, and left at ``teardown`` only if joined here."""
+
+    def __init__(self, config: SailConfig, rank_info: RankInfo) -> None:
+        super().__init__(config, rank_info)
+        self._owns_group = False
+
+    def setup(self) -> torch.device:
+        self.device = select_device(self.rank_info)
+        self._owns_group = join_process_group(self.config, self.rank_info, self.device)
+        return self.device
+
+    def teardown(self) -> None:
+        if self._owns_group:
+            leave_process_group()
+            self._owns_group = False

@@ -3,12 +3,14 @@
     python benchmarks/engine_vs_ddp.py                   # re-launches itself with `sail launch -n 2`
     python benchmarks/engine_vs_ddp.py --steps 400
     python benchmarks/engine_vs_ddp.py --backend fsdp    # engine on FSDP2 against a fully_shard loop
+    python benchmarks/engine_vs_ddp.py --backend deepspeed --zero-stage 2   # against DeepSpeed's own loop
 
 Both loops train the same model on the same pre-made batches in the same process group; their
 steps alternate one by one, so machine noise and allocator state hit both alike (alternating in
 blocks of steps biased the tiny model's ratio by up to ±10%). Prints the median step time of each
 after warm-up and their ratio (engine / by hand) for a tiny and a mid-size model. The FSDP2 loop
-shards each child with parameters and then the root, as the engine's backend does.
+shards each child with parameters and then the root, as the engine's backend does; the DeepSpeed
+loop is DeepSpeed's own ``engine(x); engine.backward(loss); engine.step()`` with the same ZeRO stage.
 """
 
 from __future__ import annotations
@@ -63,27 +65,54 @@ def interleaved(
     return times
 
 
-def by_hand(model: nn.Module, backend: str) -> nn.Module:
+Step = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def by_hand(model: nn.Module, backend: str, stage: int) -> Step:
+    """The backend used directly, as its own documentation shows, with plain SGD."""
+    if backend == "deepspeed":
+        import deepspeed
+
+        ds, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+            config={
+                "train_micro_batch_size_per_gpu": MICRO_BATCH,
+                "zero_optimization": {"stage": stage},
+                "steps_per_print": 2**62,
+            },
+        )
+
+        def ds_step(x: torch.Tensor, y: torch.Tensor) -> None:
+            loss = F.cross_entropy(ds(x), y)
+            ds.backward(loss)
+            ds.step()
+
+        return ds_step
     if backend == "ddp":
-        return DistributedDataParallel(model)
-    for child in model.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child)
-    fully_shard(model)
-    return model
-
-
-def compare(name: str, make: Callable[[], nn.Module], steps: int, backend: str) -> tuple[float, float]:
-    torch.manual_seed(0)
-    base = make()
-    hand = by_hand(copy.deepcopy(base), backend)
-    hand_opt = torch.optim.SGD(hand.parameters(), lr=0.01)
+        wrapped: nn.Module = DistributedDataParallel(model)
+    else:
+        for child in model.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child)
+        wrapped = fully_shard(model)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
 
     def hand_step(x: torch.Tensor, y: torch.Tensor) -> None:
-        loss = F.cross_entropy(hand(x), y)
+        loss = F.cross_entropy(wrapped(x), y)
         loss.backward()
-        hand_opt.step()
-        hand_opt.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return hand_step
+
+
+def compare(
+    name: str, make: Callable[[], nn.Module], steps: int, backend: str, stage: int
+) -> tuple[float, float]:
+    torch.manual_seed(0)
+    base = make()
+    hand_step = by_hand(copy.deepcopy(base), backend, stage)
 
     model = copy.deepcopy(base)
     engine, _ = spikingsail.initialize(
@@ -92,6 +121,7 @@ def compare(name: str, make: Callable[[], nn.Module], steps: int, backend: str) 
         config={
             "train_micro_batch_size_per_gpu": MICRO_BATCH,
             "sail": {"progress_bar": False, "backend": backend},
+            "zero_optimization": {"stage": stage},
         },
     )
 
@@ -111,7 +141,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=300, help="measured steps per loop and model")
-    parser.add_argument("--backend", choices=["ddp", "fsdp"], default="ddp")
+    parser.add_argument("--backend", choices=["ddp", "fsdp", "deepspeed"], default="ddp")
+    parser.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage for --backend deepspeed")
     args = parser.parse_args()
     if "RANK" not in os.environ:
         os.execv(
@@ -119,9 +150,12 @@ def main() -> None:
             [sys.executable, "-m", "spikingsail.cli.main", "launch", "-n", "2", __file__, *sys.argv[1:]],
         )
     dist.init_process_group("gloo")
-    rows = [(name, *compare(name, make, args.steps, args.backend)) for name, make in MODELS.items()]
+    rows = [
+        (name, *compare(name, make, args.steps, args.backend, args.zero_stage))
+        for name, make in MODELS.items()
+    ]
     if dist.get_rank() == 0:
-        hand = f"{args.backend.upper()} ms/step"
+        hand = f"{args.backend} ms/step"
         print(f"\n{'model':<22}{hand:>14}{'engine ms/step':>16}{'ratio':>8}")
         for name, hand_time, engine_time in rows:
             print(
@@ -129,7 +163,8 @@ def main() -> None:
             )
         print(
             f"(median of {args.steps} steps each, micro batch {MICRO_BATCH}, "
-            f"{dist.get_world_size()} gloo ranks, torch {torch.__version__})"
+            f"{dist.get_world_size()} gloo ranks, torch {torch.__version__}"
+            + (f", ZeRO stage {args.zero_stage})" if args.backend == "deepspeed" else ")")
         )
     dist.destroy_process_group()
 

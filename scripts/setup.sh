@@ -8,18 +8,28 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache=${SPIKINGSAIL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/spikingsail}
 python=${PYTHON:-python3}
-key=$( (cat "$root/requirements/dev.txt" "$root/requirements/nodeps.txt"; "$python" -c 'import sys; print(sys.version)') \
-  | sha256sum | cut -c1-16)
+key=$( (cat "$root"/requirements/{dev,nodeps,backends}.txt "$root/scripts/build-horovod.sh"
+        "$python" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
 venv="$cache/venv-$key"
 
 if [ ! -f "$venv/.complete" ]; then
-  echo "[setup] creating $venv (first run on this machine: about 2 minutes)"
+  echo "[setup] creating $venv (first run on this machine: about 6 minutes, 13 if Horovod must be built)"
   rm -rf "$venv"
   mkdir -p "$cache"
   "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --upgrade pip
   "$venv/bin/python" -m pip install --quiet -r "$root/requirements/dev.txt"
   "$venv/bin/python" -m pip install --quiet --no-deps -r "$root/requirements/nodeps.txt"
+  DS_BUILD_OPS=0 "$venv/bin/python" -m pip install --quiet -r "$root/requirements/backends.txt"
+  wheel=$(bash "$root/scripts/build-horovod.sh" "$venv/bin/python")
+  "$venv/bin/python" -m pip install --quiet --no-deps "$wheel"
+  # DeepSpeed compiles its CPU ops on first use; do it once here, into the environment, so that
+  # no run pays for it (the tests point TORCH_EXTENSIONS_DIR at the same place).
+  TORCH_EXTENSIONS_DIR="$venv/torch_extensions" DS_ACCELERATOR=cpu "$venv/bin/python" -c '
+from deepspeed.accelerator import get_accelerator
+for op in ("ShareMemCommBuilder", "FusedAdamBuilder"):
+    get_accelerator().create_op_builder(op).load()
+' >/dev/null
   touch "$venv/.complete"
 fi
 "$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$root"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +17,12 @@ _SET_BY_OTHERS = {
     "KMP_DUPLICATE_LIB_OK",
     "KMP_INIT_AT_FORK",
 }
+
+# DeepSpeed's JIT-compiled CPU ops, built once by scripts/setup.sh inside the environment (by its real
+# path: the build files record the paths they were built from, and another path means a rebuild).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.realpath(sys.prefix), "torch_extensions"))
+# DeepSpeed reads the accelerator at import: CPU, as on this kind of machine.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 @pytest.fixture(autouse=True)

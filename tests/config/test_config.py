@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from spikingsail.config import load_config
-from spikingsail.engine.initialize import _report_unused
+from spikingsail.engine.initialize import _check_zero_stage, _report_unused
 from spikingsail.errors import ConfigError
 
 MICRO = {"train_micro_batch_size_per_gpu": 4}
@@ -145,16 +145,24 @@ def test_messages_name_the_file(tmp_path: Path) -> None:
 
 
 def test_deepspeed_keys_without_effect_warn(caplog: pytest.LogCaptureFixture) -> None:
-    config = load_config({**MICRO, "wall_clock_breakdown": False, "zero_optimization": {"stage": 2}}, 1)
+    config = load_config({**MICRO, "wall_clock_breakdown": False}, 1)
     with caplog.at_level(logging.WARNING):
-        _report_unused(config, "ddp", frozenset(), 0)
-    text = caplog.text
+        _report_unused(config, "ddp", frozenset())
     assert (
         "'wall_clock_breakdown' is accepted for DeepSpeed compatibility but has no effect with backend ddp"
-        in text
+        in caplog.text
     )
-    assert "zero_optimization.stage 2 has no effect with backend ddp" in text
-    assert 'To shard them, set "sail": {"backend": ...} to one of: fsdp.' in text
+
+
+def test_a_zero_stage_the_backend_does_not_implement_is_refused() -> None:
+    config = load_config({**MICRO, "zero_optimization": {"stage": 2}}, 1)
+    with pytest.raises(
+        ConfigError, match=r"stage is 2, which backend ddp does not implement \(it shards up to stage 1\)"
+    ) as err:
+        _check_zero_stage(config, "ddp", 1)
+    assert 'set "sail": {"backend": ...} to one of: deepspeed, fsdp; or lower the stage to 1' in str(
+        err.value
+    )
 
 
 def test_seed_000_config_loads() -> None:

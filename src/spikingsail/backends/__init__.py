@@ -11,6 +11,8 @@ from spikingsail.errors import BackendError
 _REGISTRY: dict[str, str] = {
     "ddp": "spikingsail.backends.ddp:DDPBackend",
     "fsdp": "spikingsail.backends.fsdp:FSDPBackend",
+    "deepspeed": "spikingsail.backends.deepspeed:DeepSpeedBackend",
+    "horovod": "spikingsail.backends.horovod:HorovodBackend",
 }
 
 __all__ = ["Backend", "available", "backend_class", "sharding_backends"]

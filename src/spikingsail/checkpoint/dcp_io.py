@@ -66,6 +66,13 @@ _DCP_CLASSES = {
 }
 
 
+# Optimizer state flattened to one key per parameter and value ("state.<name>.exp_avg",
+# "param_groups.<name>.lr"), as torchtitan keeps it: an optimizer that holds only some of the
+# parameters (ZeRO-1's shard of them) writes and reads exactly its own keys, and the union of the
+# ranks' keys is the whole optimizer, loadable by any backend.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True, strict=True)
+
+
 def state_to_save(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``{"model": ..., "optimizer": ...}`` keyed by parameter name.
 
@@ -74,7 +81,7 @@ def state_to_save(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     """
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
     if optimizer.state:
-        state["optimizer"] = get_optimizer_state_dict(module, optimizer)
+        state["optimizer"] = get_optimizer_state_dict(module, optimizer, options=_FLAT)
     return state
 
 
@@ -120,7 +127,7 @@ def load(
     with_optimizer = optimizer is not None and any(key.startswith("optimizer.") for key in saved)
     if with_optimizer:
         assert optimizer is not None
-        state["optimizer"] = get_optimizer_state_dict(module, optimizer)
+        state["optimizer"] = get_optimizer_state_dict(module, optimizer, options=_FLAT)
     try:
         with _single_process_is_intended(group):
             dcp_load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group,
@@ -137,11 +144,10 @@ def load(
             "the model or optimizer differs from the one that was saved (names or shapes), "
             "or the files are damaged",
         ) from None
-    options = StateDictOptions(strict=True)
-    set_model_state_dict(module, state["model"], options=options)
+    set_model_state_dict(module, state["model"], options=StateDictOptions(strict=True))
     if with_optimizer:
         assert optimizer is not None
-        set_optimizer_state_dict(module, optimizer, state["optimizer"], options=options)
+        set_optimizer_state_dict(module, optimizer, state["optimizer"], options=_FLAT)
 
 
 class SafeFileSystemReader(FileSystemReader):

@@ -28,6 +28,7 @@ from spikingsail.checkpoint import dcp_io
 from spikingsail.checkpoint.store import CheckpointError, CheckpointStore, seal
 
 if TYPE_CHECKING:
+    from spikingsail.backends.base import Backend
     from spikingsail.engine.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ def save(
     client_state = dict(client_state or {})
     _check_client_state(client_state, "client_state")
     tag = tag or f"global_step{engine.global_steps}"
+    backend = engine.backend
+    backend.check_can_save(bool(engine.micro_steps % engine.gradient_accumulation_steps()))
     store = CheckpointStore(save_dir)
     rank = engine.rank
     if rank == 0:
@@ -89,7 +92,7 @@ def save(
         # rank 0 seals the checkpoint with everyone's manifest entries.
         # A rank that fails still takes part in the gather, so that no rank waits for it forever.
         try:
-            entries: dict[str, Any] = seal(staging, _files_written_by(staging, rank))
+            entries: dict[str, Any] = seal(staging, _files_written_by(staging, rank, backend))
         except OSError as err:
             entries = {_FAILED: f"rank {rank}: {err}"}
         sealed = _gather_everywhere(entries, group)
@@ -102,10 +105,9 @@ def save(
             store.commit(tag, metadata, sealed)
             store.prune(keep_last)
 
-    state = dcp_io.state_to_save(engine.module, engine.optimizer)
     done: Future[None] = Future()
-    if not background:
-        dcp_io.save(state, staging / STATE_DIR, group)
+    upload = backend.save_state(engine.module, engine.optimizer, staging / STATE_DIR, group, background)
+    if upload is None:
         commit()
         _barrier()
         done.set_result(None)
@@ -120,7 +122,7 @@ def save(
         else:
             done.set_result(None)
 
-    dcp_io.async_save(state, staging / STATE_DIR, group).add_done_callback(finish)
+    upload.add_done_callback(finish)
     return SaveHandle(store.root / tag, done)
 
 
@@ -148,7 +150,19 @@ def load(
             "the partial gradients of an unfinished window belong to the ranks that computed them",
             "resume with the same number of processes, or from a checkpoint saved on a step boundary",
         )
-    dcp_io.load(engine.module, engine.optimizer if load_optimizer_states else None, path / STATE_DIR, group)
+    saved_format = str(state.get("state_format", "dcp"))
+    if saved_format != engine.backend.checkpoint_format:
+        raise CheckpointError(
+            f"{path} holds {saved_format} state; backend {engine.backend.name} reads "
+            f"{engine.backend.checkpoint_format} checkpoints",
+            "DeepSpeed's ZeRO checkpoints keep flat optimizer partitions that other backends cannot map "
+            "to parameters (and the other way round)",
+            f"resume with the backend that wrote it ({state.get('backend', saved_format)}), or start a "
+            "new run; DDP, FSDP and Horovod checkpoints load into each other",
+        )
+    engine.backend.load_state(
+        engine.module, engine.optimizer if load_optimizer_states else None, path / STATE_DIR, group
+    )
     if load_optimizer_states and len(state["optimizer_groups"]) == len(engine.optimizer.param_groups):
         for group_now, saved in zip(engine.optimizer.param_groups, state["optimizer_groups"], strict=True):
             group_now.update(saved)
@@ -169,9 +183,9 @@ def load(
     return path, client_state
 
 
-def _files_written_by(staging: Path, rank: int) -> list[Path]:
+def _files_written_by(staging: Path, rank: int, backend: Backend) -> list[Path]:
     own = [staging / "rng" / f"rank{rank}.pt", staging / "grads" / f"rank{rank}.pt",
-           *(staging / STATE_DIR).glob(f"__{rank}_*.distcp")]  # fmt: skip
+           *backend.own_state_files(staging / STATE_DIR, rank)]  # fmt: skip
     if rank == 0:
         own += [staging / "engine.pt", staging / STATE_DIR / dcp_io.METADATA]
     return [path for path in own if path.is_file()]
@@ -197,6 +211,8 @@ def _engine_state(engine: Engine, client_state: dict[str, Any]) -> dict[str, Any
         "skipped_steps": engine.skipped_steps,
         "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
         "world_size": engine.world_size,
+        "backend": engine.backend.name,
+        "state_format": engine.backend.checkpoint_format,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         # also here: an optimizer without per-parameter state (plain SGD) has none in state/
         "optimizer_groups": [

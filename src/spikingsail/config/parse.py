@@ -115,7 +115,9 @@ _SCALARS: dict[str, type[Any]] = {
     "gradient_clipping": float,
     "steps_per_print": int,
 }
-TOP_LEVEL_KEYS = frozenset({*BATCH_KEYS, *_SECTIONS, *_SCALARS, "zero_optimization"})
+# Sections read and validated by the backend they belong to (when it is chosen).
+BACKEND_SECTIONS = frozenset({"horovod"})
+TOP_LEVEL_KEYS = frozenset({*BATCH_KEYS, *_SECTIONS, *_SCALARS, *BACKEND_SECTIONS, "zero_optimization"})
 
 
 def load_config(source: str | Path | dict[str, Any] | None, world_size: int) -> SailConfig:
@@ -143,6 +145,7 @@ def load_config(source: str | Path | dict[str, Any] | None, world_size: int) -> 
         zero_optimization=_build_zero(raw.get("zero_optimization", False), where),
         inert_keys=tuple(sorted(k for k in raw if k in INERT_DEEPSPEED_KEYS)),
         source=where,
+        raw=raw,
         **sections,
         **scalars,
     )

@@ -142,6 +142,8 @@ class SailConfig:
     """DeepSpeed keys present in the file that SpikingSail accepts but does not act on."""
     source: str = "<dict>"
     """Where the config came from, for messages."""
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The config as read (JSON), for backends that hand it to their own engine (DeepSpeed)."""
 
 
 def summary(config: SailConfig) -> str:

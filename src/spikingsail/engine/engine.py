@@ -26,7 +26,7 @@ from spikingsail.checkpoint import dcp_io, engine_state
 from spikingsail.checkpoint.store import CheckpointError
 from spikingsail.config.schema import SailConfig
 from spikingsail.data.loader import ShardedLoader
-from spikingsail.engine.precision import select_precision
+from spikingsail.engine.precision import Precision, select_precision
 from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
 from spikingsail.environments import RankInfo
 from spikingsail.errors import ConfigError
@@ -65,14 +65,21 @@ class Engine:
             self.snn = SpikingSupport.for_model(config.snn, self.module, config.source)
             if config.snn.sync_batchnorm and rank_info.distributed:
                 self.module = convert_sync_batchnorm(self.module)  # keeps the Parameter objects
-            if optimizer is None:
-                assert config.optimizer is not None  # _check_optimizer_source made sure
-                optimizer = build_optimizer(config.optimizer, self.module.parameters(), config.source)
-            self.precision = select_precision(config, self.device)
-            self.wrapped_module, self.optimizer = backend.wrap(self.module, optimizer)
-            self.lr_scheduler = lr_scheduler
-            if lr_scheduler is None and config.scheduler is not None:
-                self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer, config.source)
+            if backend.owns_step:
+                # precision, clipping, accumulation and the scheduler live in the backend's engine
+                self.precision = Precision(self.device)
+                self.wrapped_module, self.optimizer, self.lr_scheduler = backend.wrap_owning(
+                    self.module, optimizer, lr_scheduler
+                )
+            else:
+                if optimizer is None:
+                    assert config.optimizer is not None  # _check_optimizer_source made sure
+                    optimizer = build_optimizer(config.optimizer, self.module.parameters(), config.source)
+                self.precision = select_precision(config, self.device)
+                self.wrapped_module, self.optimizer = backend.wrap(self.module, optimizer)
+                self.lr_scheduler = lr_scheduler
+                if lr_scheduler is None and config.scheduler is not None:
+                    self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer, config.source)
         except BaseException:
             backend.teardown()  # leave the process group: a failed start must not leave it up
             raise
@@ -112,21 +119,31 @@ class Engine:
             inputs, kwargs = _to_device((inputs, kwargs), self.device)
         sync = self.is_gradient_accumulation_boundary() or not torch.is_grad_enabled()
         self.snn.before_forward()
+        inputs, kwargs = self.backend.prepare_inputs((inputs, kwargs))
         with self.backend.gradient_sync(sync), self.precision.autocast():
             return self.wrapped_module(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` averaged over the accumulation window (and scaled for fp16)."""
-        if self.config.gradient_accumulation_steps > 1:
-            loss = loss / self.config.gradient_accumulation_steps
-        self._window_losses.append(loss.detach())
-        torch.autograd.backward(self.precision.scale_loss(loss))
+        accumulation = self.config.gradient_accumulation_steps
+        if self.backend.owns_step:  # the backend averages over the window itself
+            self._window_losses.append(loss.detach() / accumulation)
+            self.backend.backward(loss)
+        else:
+            if accumulation > 1:
+                loss = loss / accumulation
+            self._window_losses.append(loss.detach())
+            torch.autograd.backward(self.precision.scale_loss(loss))
         self.snn.after_backward()
 
     def step(self) -> None:
         """End a micro-step; on an accumulation boundary, update the weights."""
         boundary = self.is_gradient_accumulation_boundary()
-        if boundary:
+        if self.backend.owns_step:
+            skipped = self.backend.step()
+            if boundary:
+                self._after_optimizer_step(skipped)
+        elif boundary:
             self._optimizer_step()
         self.micro_steps += 1
         if boundary:
@@ -153,14 +170,17 @@ class Engine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.precision.update(overflow)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._after_optimizer_step(overflow)
+
+    def _after_optimizer_step(self, overflow: bool) -> None:
         if overflow:
             self.skipped_steps += 1
             log.warning(
                 "fp16 overflow: step %d skipped, loss scale now %g",
                 self.global_steps,
-                self.precision.loss_scale,
+                self.loss_scale,
             )
-        self.optimizer.zero_grad(set_to_none=True)
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
         if self.monitor.wants(self.global_steps):
@@ -170,7 +190,7 @@ class Engine:
                     step=self.global_steps,
                     loss=torch.stack(losses).float().sum() if losses else None,
                     lr=self.get_lr()[0],
-                    loss_scale=self.precision.loss_scale,
+                    loss_scale=self.loss_scale,
                     skipped=overflow,
                 )
             )
@@ -215,7 +235,7 @@ class Engine:
 
     @property
     def loss_scale(self) -> float:
-        return self.precision.loss_scale
+        return self.backend.loss_scale if self.backend.owns_step else self.precision.loss_scale
 
     @property
     def rank(self) -> int:
@@ -331,6 +351,9 @@ class Engine:
         self.wait_for_checkpoint()
         path, client_state = engine_state.load(
             self, load_dir, tag, load_optimizer_states, group=self._checkpoint_group()
+        )
+        self.backend.sync_counters(
+            self.micro_steps, self.global_steps, self.global_samples, self.skipped_steps
         )
         self.snn.after_load()
         log.info("resumed from %s at step %d", path, self.global_steps)

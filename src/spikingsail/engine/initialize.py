@@ -143,9 +143,8 @@ def initialize(
     backend_cls = backend_class(sail_config.sail.backend, sail_config.source)
     if rank_info.is_rank_zero:
         log.info("SpikingSail config (%s):\n%s", rank_info.source, summary(sail_config))
-        _report_unused(
-            sail_config, backend_cls.name, backend_cls.honoured_deepspeed_keys, backend_cls.max_zero_stage
-        )
+        _report_unused(sail_config, backend_cls.name, backend_cls.honoured_deepspeed_keys)
+    _check_zero_stage(sail_config, backend_cls.name, backend_cls.max_zero_stage)  # on every rank
     engine = Engine(
         model=model,
         config=sail_config,
@@ -186,7 +185,7 @@ def _config_from_args(args: argparse.Namespace | None, config: ConfigSource) -> 
     return config
 
 
-def _report_unused(config: SailConfig, backend: str, honoured: frozenset[str], max_stage: int) -> None:
+def _report_unused(config: SailConfig, backend: str, honoured: frozenset[str]) -> None:
     for key in config.inert_keys:
         if key not in honoured:
             log.warning(
@@ -195,15 +194,17 @@ def _report_unused(config: SailConfig, backend: str, honoured: frozenset[str], m
                 key,
                 backend,
             )
+
+
+def _check_zero_stage(config: SailConfig, backend: str, max_stage: int) -> None:
     stage = config.zero_optimization.stage
     if stage > max_stage:
-        log.warning(
-            "%s: zero_optimization.stage %d has no effect with backend %s: every rank keeps the full "
-            'optimizer state and gradients. To shard them, set "sail": {"backend": ...} to one of: %s.',
-            config.source,
-            stage,
-            backend,
-            ", ".join(sharding_backends(stage)),
+        raise ConfigError(
+            f"{config.source}: zero_optimization.stage is {stage}, which backend {backend} does not implement"
+            + (f" (it shards up to stage {max_stage})" if max_stage else ""),
+            "running it unsharded would silently need the memory the stage is meant to save",
+            f'set "sail": {{"backend": ...}} to one of: {", ".join(sharding_backends(stage))}; '
+            f"or lower the stage to {max_stage}",
         )
 
 

@@ -1,0 +1,308 @@
+"""DeepSpeed: ZeRO stages 0–3 through ``deepspeed.initialize`` with the user's own JSON.
+
+DeepSpeed's engine owns the step: it averages the loss over the accumulation window, defers and
+buckets the gradient reduction, keeps fp16/bf16 master weights and the loss scaler, clips, steps
+the optimizer and the scheduler. SpikingSail hands it the config unchanged (minus its own
+sections), keeps the counters, data positions and RNG in its checkpoint, and stores the model and
+optimizer state in DeepSpeed's own format inside it, read back with ``weights_only=True``.
+
+On machines without a GPU, DeepSpeed's CPU accelerator is selected (``DS_ACCELERATOR=cpu``) and
+the default group is gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed import HashStore  # type: ignore[attr-defined]  # public, not re-exported in stubs
+
+from spikingsail.backends.process_group import ProcessGroupBackend, dist_backend_for
+from spikingsail.checkpoint.store import CheckpointError
+from spikingsail.config.parse import INERT_DEEPSPEED_KEYS
+from spikingsail.errors import BackendError
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "DS_BUILD_OPS=0 pip install 'deepspeed==0.19.8'  (or: pip install 'spikingsail[deepspeed]')"
+STATE_TAG = "deepspeed"
+"""The tag of DeepSpeed's checkpoint inside a SpikingSail checkpoint's ``state/`` directory."""
+_SAIL_SECTIONS = ("sail", "checkpoint", "snn")
+_NEVER = 2**62  # DeepSpeed's own step log is replaced by SpikingSail's monitor
+
+
+def import_deepspeed(where: str) -> Any:
+    """Import DeepSpeed, choosing its CPU accelerator when no GPU is visible."""
+    if "deepspeed" not in sys.modules and not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+    except ImportError as err:
+        raise BackendError(
+            f"{where}: sail.backend is deepspeed, but DeepSpeed cannot be imported",
+            str(err),
+            f"install it: {INSTALL_HINT}",
+        ) from None
+    return deepspeed
+
+
+def deepspeed_config(raw: dict[str, Any], micro: int, accumulation: int, total: int) -> dict[str, Any]:
+    """The dict handed to ``deepspeed.initialize``: the user's file without SpikingSail's sections,
+    with the batch-size triple as SpikingSail resolved it for this world size."""
+    config = {key: value for key, value in raw.items() if key not in _SAIL_SECTIONS}
+    config.update(train_batch_size=total, train_micro_batch_size_per_gpu=micro,
+                  gradient_accumulation_steps=accumulation)  # fmt: skip
+    config["steps_per_print"] = _NEVER
+    return config
+
+
+class DeepSpeedBackend(ProcessGroupBackend):
+    name = "deepspeed"
+    honoured_deepspeed_keys = INERT_DEEPSPEED_KEYS
+    max_zero_stage = 3
+    owns_step = True
+    builds_from_config = True
+    checkpoint_format: ClassVar[str] = "deepspeed"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ds: Any = None
+        self._half: torch.dtype | None = None
+        if self.config.fp16.enabled:
+            self._half = torch.float16
+        elif self.config.bf16.enabled:
+            self._half = torch.bfloat16
+
+    def setup(self) -> torch.device:
+        self.deepspeed = import_deepspeed(self.config.source)
+        device = super().setup()
+        if not dist.is_initialized():
+            # DeepSpeed always works on a process group; one process gets a group of one.
+            dist.init_process_group(
+                backend=dist_backend_for(self.config, device),
+                store=HashStore(),
+                rank=0,
+                world_size=1,
+                timeout=datetime.timedelta(minutes=self.config.sail.timeout_minutes),
+            )
+            self._owns_group = True
+        return device
+
+    def wrap(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        module, optimizer, _ = self.wrap_owning(model, optimizer, None)
+        return module, optimizer
+
+    def wrap_owning(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+        config = self.config
+        ds_config = deepspeed_config(
+            config.raw, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps,
+            config.train_batch_size,
+        )  # fmt: skip
+        if optimizer is not None:
+            ds_config.pop("optimizer", None)  # the client's wins (the engine warned)
+            # a torch optimizer the script chose is what the user wants ZeRO to shard
+            ds_config.setdefault("zero_allow_untested_optimizer", True)
+        if lr_scheduler is not None:
+            ds_config.pop("scheduler", None)
+        try:
+            engine, ds_optimizer, _, ds_scheduler = self.deepspeed.initialize(
+                model=model,
+                optimizer=optimizer,
+                model_parameters=None if optimizer is not None else list(model.parameters()),
+                lr_scheduler=lr_scheduler,
+                config=ds_config,
+                dist_init_required=False,
+            )
+        except Exception as err:  # DeepSpeed reports config problems as several exception types
+            raise BackendError(
+                f"{config.source}: deepspeed.initialize refused the model, optimizer or config",
+                _describe(err),
+                "fix the config key or argument named above (DeepSpeed's config reference: "
+                "https://www.deepspeed.ai/docs/config-json/)",
+            ) from err
+        engine.checkpoint_engine = _safe_checkpoint_engine(engine)
+        self.ds = engine
+        log.info(
+            "DeepSpeed %s: ZeRO stage %d, optimizer %s",
+            self.deepspeed.__version__,
+            engine.zero_optimization_stage(),
+            type(ds_optimizer).__name__,
+        )
+        return engine, ds_optimizer, ds_scheduler
+
+    def prepare_inputs(self, inputs: Any) -> Any:
+        # DeepSpeed turns the model itself into fp16/bf16; floating inputs must follow.
+        if self._half is None:
+            return inputs
+        return _cast_floats(inputs, self._half)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss)
+
+    def step(self) -> bool:
+        skipped = int(self.ds.skipped_steps)
+        self.ds.step()
+        return int(self.ds.skipped_steps) > skipped
+
+    @property
+    def loss_scale(self) -> float:
+        if self.ds is None or not self.config.fp16.enabled:
+            return 1.0
+        return float(getattr(self.ds.optimizer, "loss_scale", 1.0))
+
+    def sync_counters(self, micro_steps: int, global_steps: int, global_samples: int, skipped: int) -> None:
+        self.ds.micro_steps = micro_steps
+        self.ds.global_steps = global_steps
+        self.ds.global_samples = global_samples
+        self.ds.skipped_steps = skipped
+
+    def clip_grad_norm_(self, parameters: Iterator[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        raise BackendError("DeepSpeed clips gradients itself", fix="set gradient_clipping in the config")
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def check_can_save(self, mid_window: bool) -> None:
+        if mid_window:
+            raise CheckpointError(
+                "cannot save inside a gradient accumulation window with the deepspeed backend",
+                "ZeRO keeps the window's partial gradients in its own reduction buckets, which "
+                "DeepSpeed's checkpoint does not contain, so the resumed run would differ",
+                "save after engine.step() on an accumulation boundary "
+                "(engine.is_gradient_accumulation_boundary() before the step)",
+            )
+
+    def save_state(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        directory: Path,
+        group: dist.ProcessGroup | None,
+        background: bool,
+    ) -> Future[Any] | None:
+        if background:
+            log.warning("the deepspeed backend writes checkpoints synchronously; async_save is ignored")
+        self.ds.save_checkpoint(str(directory), tag=STATE_TAG, client_state={}, save_latest=False)
+        return None
+
+    def load_state(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        directory: Path,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        try:
+            path, _ = self.ds.load_checkpoint(
+                str(directory),
+                tag=STATE_TAG,
+                load_optimizer_states=optimizer is not None,
+                load_lr_scheduler_states=optimizer is not None,
+                load_module_only=optimizer is None,
+            )
+        except CheckpointError:
+            raise
+        except (RuntimeError, ValueError, KeyError, AssertionError) as err:
+            raise CheckpointError(
+                f"DeepSpeed could not load {directory / STATE_TAG}",
+                f"{type(err).__name__}: {_first_line(err)}",
+                "DeepSpeed checkpoints load with the same model and ZeRO stage (any world size "
+                "for stages 1-2 with elastic_checkpoint); resume from another checkpoint otherwise",
+            ) from err
+        if path is None:
+            raise CheckpointError(f"{directory / STATE_TAG} holds no DeepSpeed checkpoint",
+                                  fix="resume from another checkpoint")  # fmt: skip
+
+    def own_state_files(self, directory: Path, rank: int) -> list[Path]:
+        return list((directory / STATE_TAG).glob(f"*zero_pp_rank_{rank}_mp_rank_*"))
+
+    def teardown(self) -> None:
+        if self.ds is not None:
+            with contextlib.suppress(Exception):
+                self.ds.destroy()
+            self.ds = None
+        super().teardown()
+
+
+def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple):
+        return tuple(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, list):
+        return [_cast_floats(o, dtype) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def _describe(err: BaseException) -> str:
+    """One line; for DeepSpeed's pydantic config models, the key path, the complaint and the value."""
+    errors = getattr(err, "errors", None)
+    if callable(errors):
+        with contextlib.suppress(Exception):
+            model = getattr(err, "title", "the config")
+            return f"{model}: " + "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg']} (found {e.get('input')!r})" for e in errors()
+            )
+    return f"{type(err).__name__}: {_first_line(err)}"
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _safe_globals() -> list[Any]:
+    """The non-tensor classes DeepSpeed's own checkpoints contain (loss scalers and enums)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def _safe_checkpoint_engine(engine: Any) -> Any:
+    """DeepSpeed's torch checkpoint engine, reading with ``weights_only=True`` (DeepSpeed's own
+    reads with plain pickle, so a checkpoint directory could run code)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class SafeTorchCheckpointEngine(TorchCheckpointEngine):  # type: ignore[misc]
+        def load(self, path: str, map_location: Any = None) -> Any:
+            try:
+                with torch.serialization.safe_globals(_safe_globals()):
+                    return torch.load(path, map_location=map_location, weights_only=True)
+            except FileNotFoundError:
+                raise CheckpointError(f"{path} is missing", fix="resume from another checkpoint") from None
+            except Exception as err:  # torch raises several types for unreadable or unsafe files
+                raise CheckpointError(
+                    f"cannot read {path}",
+                    _first_line(err),
+                    "the file is damaged or holds objects other than tensors, plain data and "
+                    "DeepSpeed's loss scaler; resume from another checkpoint",
+                ) from None
+
+    safe = SafeTorchCheckpointEngine(engine._config)
+    previous = engine.checkpoint_engine
+    if previous is not None and type(previous).__name__ != TorchCheckpointEngine.__name__:
+        log.warning("keeping DeepSpeed's %s checkpoint engine: its loads are not restricted to weights",
+                    type(previous).__name__)  # fmt: skip
+        return previous
+    return safe
+
+
+__all__ = ["DeepSpeedBackend", "deepspeed_config", "import_deepspeed"]

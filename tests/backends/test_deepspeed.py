@@ -1,0 +1,218 @@
+"""The DeepSpeed backend on 2 real gloo ranks (DeepSpeed's CPU accelerator): ZeRO stages 0-3 train
+like DDP, resume exactly, and refuse what they cannot do with a clear message."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import spikingsail
+from spikingsail.environments import RankInfo
+from spikingsail.errors import BackendError, SailError
+from tests.multiprocess import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+MICRO_STEPS = 12
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+
+
+def config(backend: str, stage: int = 0, **extra: Any) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5,
+        # threshold 0: ZeRO-3 partitions even these small parameters
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "sail": {"backend": backend, "seed": 4, "progress_bar": False},
+        **extra,
+    }
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g))
+
+
+def full_parameters(engine: spikingsail.Engine) -> dict[str, torch.Tensor]:
+    """Every parameter whole, on every rank (ZeRO-3 gathers its partitions for the read)."""
+    gather: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if engine.backend.name == "deepspeed" and engine.config.zero_optimization.stage == 3:
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(list(engine.module.parameters()))
+    with gather:
+        return {k: v.detach().float().clone() for k, v in engine.module.named_parameters()}
+
+
+def train(cfg: dict[str, Any], checkpoints: str | None = None, stop_at: int | None = None,
+          resume: bool = False, client_optimizer: bool = True) -> dict[str, Any] | None:  # fmt: skip
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.01) if client_optimizer else None
+    engine, ds_optimizer = spikingsail.initialize(model=net, optimizer=optimizer, config=cfg,
+                                                  checkpoints_path=checkpoints, resume=resume)  # fmt: skip
+    loader = engine.dataloader(data())
+    losses = []
+    while engine.micro_steps < MICRO_STEPS:
+        for x, y in loader:
+            loss = F.cross_entropy(engine(x).float(), y)
+            losses.append(float(loss))
+            engine.backward(loss)
+            engine.step()
+            if engine.micro_steps == stop_at:
+                assert checkpoints is not None
+                engine.save_checkpoint(checkpoints)
+                engine.close()
+                return None
+            if engine.micro_steps == MICRO_STEPS:
+                break
+    sharded = [getattr(p, "ds_numel", p.numel()) > p.numel() for p in engine.module.parameters()]
+    inner = getattr(ds_optimizer, "optimizer", ds_optimizer)
+    result = {"params": full_parameters(engine), "steps": engine.global_steps, "losses": losses,
+              "partitioned": all(sharded), "optimizer": type(inner).__name__,
+              "dtype": str(next(engine.module.parameters()).dtype)}  # fmt: skip
+    engine.close()
+    return result
+
+
+@pytest.fixture(scope="module")
+def ddp() -> dict[int, Any]:
+    return run_ranks(train, 2, config("ddp"))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stages_train_like_ddp(ddp: dict[int, Any], stage: int) -> None:
+    ds = run_ranks(train, 2, config("deepspeed", stage))
+    for rank in (0, 1):
+        assert ds[rank]["steps"] == ddp[rank]["steps"] == MICRO_STEPS // 2
+        assert ds[rank]["partitioned"] == (stage == 3)  # only ZeRO-3 shards the parameters themselves
+        for key, value in ddp[rank]["params"].items():
+            # ZeRO reduces flat gradient buckets and clips by the norm of its partitions'
+            # norms: the same sums as DDP in another order, so float32 rounding differs.
+            torch.testing.assert_close(ds[rank]["params"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_the_configs_optimizer_is_built_by_deepspeed(ddp: dict[int, Any]) -> None:
+    optimizer = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}
+    ds = run_ranks(train, 2, config("deepspeed", 2, optimizer=optimizer), None, None, False, False)
+    for rank in (0, 1):
+        assert ds[rank]["optimizer"] == "FusedAdam"  # DeepSpeed's own, as with `deepspeed` itself
+        for key, value in ddp[rank]["params"].items():
+            # FusedAdam's kernel computes the same update as torch.optim.AdamW in another order
+            torch.testing.assert_close(ds[rank]["params"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_is_exact(tmp_path: Path, stage: int) -> None:
+    cfg = config("deepspeed", stage)
+    straight = run_ranks(train, 2, cfg)
+    assert run_ranks(train, 2, cfg, str(tmp_path), 6) == {0: None, 1: None}
+    state = tmp_path / "global_step3" / "state" / "deepspeed"
+    assert sorted(p.name for p in state.glob("zero_pp_rank_*optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]  # fmt: skip
+    resumed = run_ranks(train, 2, cfg, str(tmp_path), None, True)
+    for rank in (0, 1):
+        assert resumed[rank]["steps"] == MICRO_STEPS // 2
+        for key, value in straight[rank]["params"].items():
+            assert torch.equal(resumed[rank]["params"][key], value), key
+
+
+def test_bf16_casts_the_model_and_its_inputs_and_trains_like_fp32(ddp: dict[int, Any]) -> None:
+    result = run_ranks(train, 2, config("deepspeed", 2, bf16={"enabled": True}))
+    initial = dict(model().named_parameters())
+    for rank in (0, 1):
+        assert result[rank]["dtype"] == "torch.bfloat16"  # the script's float32 inputs were cast
+        for key, value in ddp[rank]["params"].items():
+            moved = (value - initial[key]).abs().max()
+            off = (result[rank]["params"][key] - value).abs().max()
+            # bf16 keeps 8 bits of mantissa: the weights DeepSpeed hands the forward are the fp32
+            # master weights rounded to ~0.4%, so the run tracks fp32 training, not bit for bit.
+            assert off < 0.2 * moved, (key, float(off), float(moved))
+
+
+def error_of(fn: Any, *args: Any) -> str:
+    try:
+        fn(*args)
+    except SailError as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def cross_backend(tmp: str) -> str:
+    train(config("ddp"), tmp, 6)
+    return error_of(train, config("deepspeed", 2), tmp, None, True)
+
+
+def test_a_ddp_checkpoint_under_deepspeed_is_refused_with_the_reason(tmp_path: Path) -> None:
+    message = run_ranks(cross_backend, 1, str(tmp_path))[0]
+    assert message.startswith("CheckpointError:")
+    assert "holds dcp state; backend deepspeed reads deepspeed checkpoints" in message
+    assert "resume with the backend that wrote it (ddp)" in message
+
+
+def save_mid_window(tmp: str) -> str:
+    net = model()
+    engine, _ = spikingsail.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                                       config=config("deepspeed", 1))  # fmt: skip
+    engine.backward(engine(torch.randn(4, 6)).sum())
+    engine.step()  # micro-step 1 of a window of 2
+    message = error_of(engine.save_checkpoint, tmp)
+    engine.close()
+    return message + f" | written: {sorted(p.name for p in Path(tmp).rglob('*'))}"
+
+
+def test_a_save_inside_an_accumulation_window_is_refused_before_writing(tmp_path: Path) -> None:
+    message = run_ranks(save_mid_window, 2, str(tmp_path / "ckpt"))[0]
+    assert message.startswith("CheckpointError: cannot save inside a gradient accumulation window")
+    assert "save after engine.step() on an accumulation boundary" in message
+    assert message.endswith("| written: []")
+
+
+def bad_key() -> str:
+    cfg = config("deepspeed", 2)
+    cfg["zero_optimization"]["reduce_bucket_size"] = "lots"
+    return error_of(train, cfg)
+
+
+def test_a_value_deepspeed_rejects_names_the_config_and_the_key() -> None:
+    message = run_ranks(bad_key, 1)[0]
+    assert message.startswith(
+        "BackendError: <dict>: deepspeed.initialize refused the model, optimizer or config"
+    )
+    assert "reduce_bucket_size" in message
+
+
+def test_without_deepspeed_installed_the_error_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # what an absent package looks like to import
+    net = model()
+    with pytest.raises(BackendError, match=r"DeepSpeed cannot be imported(.|\n)*DS_BUILD_OPS=0 pip install"):
+        spikingsail.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                               config=config("deepspeed"), rank_info=RankInfo.single())  # fmt: skip
+
+
+def test_the_core_and_the_other_backends_never_import_deepspeed(tmp_path: Path) -> None:
+    script = (
+        "import sys, torch, spikingsail\n"
+        "from spikingsail.backends import sharding_backends\n"
+        "from spikingsail.environments import RankInfo\n"
+        "assert sharding_backends(2) == ['deepspeed', 'fsdp']\n"
+        "net = torch.nn.Linear(2, 2)\n"
+        "engine, _ = spikingsail.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),\n"
+        "    config={'train_micro_batch_size_per_gpu': 1}, rank_info=RankInfo.single())\n"
+        "engine.close()\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'deepspeed', 'horovod'}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"

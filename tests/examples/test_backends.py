@@ -1,0 +1,68 @@
+"""The main job's script, unchanged, under every backend: only the config's backend key differs."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.examples.test_examples import ROOT, sail_launch
+
+pytestmark = pytest.mark.multiprocess
+SCRIPT = str(ROOT / "examples" / "train_digits.py")
+
+
+def config_for(tmp_path: Path, backend: str, **extra: Any) -> str:
+    config = json.loads((ROOT / "examples" / "configs" / "digits.json").read_text())
+    config["sail"]["backend"] = backend
+    config.update(extra)
+    path = tmp_path / f"{backend}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def accuracy(result: subprocess.CompletedProcess[str]) -> float:
+    assert result.returncode == 0, result.stderr[-3000:]
+    match = re.search(r"test accuracy: ([0-9.]+) \(359 images, 2 processes\)", result.stdout)
+    assert match, result.stdout
+    return float(match.group(1))
+
+
+@pytest.mark.parametrize(
+    ("backend", "extra"),
+    [
+        ("fsdp", {}),
+        ("deepspeed", {"zero_optimization": {"stage": 2}}),
+        ("ddp", {"zero_optimization": {"stage": 1}}),
+    ],
+)
+def test_the_main_job_reaches_95_percent_under(tmp_path: Path, backend: str, extra: dict[str, Any]) -> None:
+    result = sail_launch(SCRIPT, "--sail-config", config_for(tmp_path, backend, **extra), cwd=tmp_path)
+    assert accuracy(result) >= 0.95
+    assert f"backend                 : {backend}" in result.stderr
+
+
+def test_the_main_job_runs_under_deepspeeds_own_launcher_and_flags(tmp_path: Path) -> None:
+    config = config_for(tmp_path, "deepspeed", zero_optimization={"stage": 1})
+    result = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("deepspeed")),
+            "--num_gpus",
+            "2",
+            SCRIPT,
+            "--deepspeed",
+            "--deepspeed_config",
+            config,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert accuracy(result) >= 0.95
+    assert "spawned with command" in result.stdout + result.stderr  # DeepSpeed's launcher started the ranks

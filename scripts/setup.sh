@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Create (or reuse) the pinned virtual environment and install this checkout into it.
 #
+#   scripts/setup.sh              torch, spikingjelly and the tools (what the main job needs)
+#   scripts/setup.sh --backends   also DeepSpeed and Horovod, with their compiled parts (the tests)
+#
 # The environment lives outside the clone, keyed by the hash of the requirements files, so a second
 # clone or a CI run on the same machine reuses it; ./.venv points at it. Override the location
 # with SPIKINGSAIL_CACHE. Prints nothing but progress; exits non-zero on failure.
@@ -13,13 +16,17 @@ key=$( (cat "$root"/requirements/{dev,nodeps,backends}.txt "$root/scripts/build-
 venv="$cache/venv-$key"
 
 if [ ! -f "$venv/.complete" ]; then
-  echo "[setup] creating $venv (first run on this machine: about 6 minutes, 13 if Horovod must be built)"
+  echo "[setup] creating $venv (first run on this machine: about 2 minutes)"
   rm -rf "$venv"
   mkdir -p "$cache"
   "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --upgrade pip
   "$venv/bin/python" -m pip install --quiet -r "$root/requirements/dev.txt"
   "$venv/bin/python" -m pip install --quiet --no-deps -r "$root/requirements/nodeps.txt"
+  touch "$venv/.complete"
+fi
+if [ "${1:-}" = "--backends" ] && [ ! -f "$venv/.backends-complete" ]; then
+  echo "[setup] adding DeepSpeed and Horovod (first run on this machine: about 4 minutes, 11 if Horovod must be built)"
   DS_BUILD_OPS=0 "$venv/bin/python" -m pip install --quiet -r "$root/requirements/backends.txt"
   wheel=$(bash "$root/scripts/build-horovod.sh" "$venv/bin/python")
   "$venv/bin/python" -m pip install --quiet --no-deps "$wheel"
@@ -30,7 +37,7 @@ from deepspeed.accelerator import get_accelerator
 for op in ("ShareMemCommBuilder", "FusedAdamBuilder"):
     get_accelerator().create_op_builder(op).load()
 ' >/dev/null
-  touch "$venv/.complete"
+  touch "$venv/.backends-complete"
 fi
 "$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$root"
 ln -sfn "$venv" "$root/.venv"

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 INSTALL_HINT = "DS_BUILD_OPS=0 pip install 'deepspeed==0.19.8'  (or: pip install 'spikingsail[deepspeed]')"
 STATE_TAG = "deepspeed"
 """The tag of DeepSpeed's checkpoint inside a SpikingSail checkpoint's ``state/`` directory."""
-_SAIL_SECTIONS = ("sail", "checkpoint", "snn")
+_SAIL_SECTIONS = ("sail", "checkpoint", "snn", "horovod")
 _NEVER = 2**62  # DeepSpeed's own step log is replaced by SpikingSail's monitor
 
 

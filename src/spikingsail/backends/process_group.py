@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -50,6 +52,13 @@ def join_process_group(config: SailConfig, rank_info: RankInfo, device: torch.de
     """Create the default group; False when it already existed (created by the user) or is not needed."""
     if not rank_info.distributed or dist.is_initialized():
         return False
+    if rank_info.source == "horovod" and "MASTER_ADDR" not in os.environ:
+        raise BackendError(
+            f"{config.source}: backend {config.sail.backend} was started by plain horovodrun",
+            "horovodrun's rendezvous serves Horovod only; torch.distributed needs MASTER_ADDR and MASTER_PORT",
+            'launch with `sail launch --launcher horovodrun` (it exports both), export them, or set "sail": '
+            '{"backend": "horovod"}',
+        )
     backend = dist_backend_for(config, device)
     timeout = datetime.timedelta(minutes=config.sail.timeout_minutes)
     log.debug("joining %s process group at %s as rank %d", backend, rank_info.init_method(), rank_info.rank)
@@ -72,6 +81,9 @@ def join_process_group(config: SailConfig, rank_info: RankInfo, device: torch.de
     return True
 
 
+_JOINS = itertools.count()
+
+
 def _store(rank_info: RankInfo, timeout: datetime.timedelta) -> Store:
     """The rendezvous store, with keys of their own for every restart of the workers.
 
@@ -87,7 +99,9 @@ def _store(rank_info: RankInfo, timeout: datetime.timedelta) -> Store:
         is_master=not rank_info.use_env_store and rank_info.rank == 0,
         timeout=timeout,
     )
-    return PrefixStore(f"spikingsail/attempt{rank_info.restart_count}", store)
+    # ... and a join count: a process that joins again (a second engine) must not read the keys
+    # of its previous group, which torch names the same ("default_pg/0") every time.
+    return PrefixStore(f"spikingsail/attempt{rank_info.restart_count}/join{next(_JOINS)}", store)
 
 
 def leave_process_group() -> None:

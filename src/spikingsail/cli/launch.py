@@ -8,6 +8,7 @@ import sys
 from spikingsail.errors import LaunchError
 from spikingsail.launchers import plan
 from spikingsail.launchers.command import run_local
+from spikingsail.launchers.horovodrun import remote_hosts
 from spikingsail.launchers.preflight import check_hosts
 from spikingsail.launchers.request import parse_request
 from spikingsail.launchers.supervisor import supervise
@@ -27,7 +28,11 @@ def run(argv: list[str]) -> int:
         log.info("launching %s process(es): %s", request.nproc_per_node, command.render())
         return run_local(command)
     if request.nodes:
-        check_hosts([n.host for n in request.nodes], request.ssh)
+        reached = [n.host for n in request.nodes]
+        if request.launcher == "horovodrun":
+            reached = remote_hosts(reached)  # horovodrun starts this machine's ranks without ssh
+        if reached:
+            check_hosts(reached, request.ssh)
         hosts = ", ".join(f"{n.host}×{n.nproc}" for n in request.nodes)
         log.info("launching on %d node(s) with %s: %s", len(request.nodes), request.launcher, hosts)
     else:

@@ -1,7 +1,7 @@
 """Rank discovery: every way a job can be described in environment variables, read in one place.
 
-``discover_rank_info()`` picks the environment that launched this process (torchrun, Open MPI,
-SLURM, plain env:// variables, or none: a single process) and returns one ``RankInfo``.
+``discover_rank_info()`` picks the environment that launched this process (torchrun, horovodrun,
+Open MPI, SLURM, plain env:// variables, or none: a single process) and returns one ``RankInfo``.
 Contradicting variables are an error, not a guess.
 """
 
@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from spikingsail.environments.base import ClusterEnvironment, RankInfo
 from spikingsail.environments.env_vars import EnvVarEnvironment
+from spikingsail.environments.horovod import HorovodEnvironment
 from spikingsail.environments.openmpi import OpenMPIEnvironment
 from spikingsail.environments.slurm import SlurmEnvironment
 from spikingsail.environments.torchrun import TorchrunEnvironment
@@ -29,6 +30,7 @@ def discover_rank_info(env: Mapping[str, str] | None = None, local_rank_arg: int
     env = os.environ if env is None else env
     environments: list[ClusterEnvironment] = [
         TorchrunEnvironment(),
+        HorovodEnvironment(),
         OpenMPIEnvironment(),
         SlurmEnvironment(),
         EnvVarEnvironment(local_rank_arg),
@@ -41,7 +43,7 @@ def discover_rank_info(env: Mapping[str, str] | None = None, local_rank_arg: int
 
 def _check_agreement(info: RankInfo, env: Mapping[str, str], local_rank_arg: int | None) -> None:
     """Variables from another launcher that contradict the chosen one mean a mixed-up launch."""
-    if info.source in ("slurm", "openmpi"):
+    if info.source in ("slurm", "openmpi", "horovod"):
         for var, value in (("RANK", info.rank), ("WORLD_SIZE", info.world_size)):
             if var in env and env[var] != str(value):
                 raise RankDiscoveryError(

@@ -6,6 +6,8 @@ from typing import Protocol
 
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.command import LaunchCommand
+from spikingsail.launchers.horovodrun import INSTALL_HINT as HOROVOD_INSTALL_HINT
+from spikingsail.launchers.horovodrun import HorovodrunLauncher
 from spikingsail.launchers.local import LocalLauncher
 from spikingsail.launchers.mpirun import MpirunLauncher
 from spikingsail.launchers.pdsh import PdshLauncher
@@ -26,12 +28,14 @@ _LAUNCHERS: dict[str, type[Launcher]] = {
     "pdsh": PdshLauncher,
     "mpirun": MpirunLauncher,
     "slurm": SlurmLauncher,
+    "horovodrun": HorovodrunLauncher,
 }
 _INSTALL = {
     "ssh": "apt-get install openssh-client",
     "pdsh": "apt-get install pdsh",
     "mpirun": "apt-get install openmpi-bin",
     "slurm": "apt-get install slurm-client",
+    "horovodrun": HOROVOD_INSTALL_HINT,
 }
 
 

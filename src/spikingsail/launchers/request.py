@@ -38,7 +38,7 @@ _PER_NODE_FLAGS = {
 # Flags with which the user chooses the rendezvous; any of them turns platform mode off.
 _RENDEZVOUS_FLAGS = tuple(f for f in _PER_NODE_FLAGS if "nproc" not in f)
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-LAUNCHERS = ("local", "ssh", "pdsh", "mpirun", "slurm")
+LAUNCHERS = ("local", "ssh", "pdsh", "mpirun", "slurm", "horovodrun")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -100,7 +100,9 @@ def parser() -> argparse.ArgumentParser:
     own.add_argument("--exclude", help="DeepSpeed's host[:slot,...]@host filter")
     own.add_argument("--num_nodes", "--num-nodes", dest="num_nodes", type=int, help="use the first N hosts")
     own.add_argument("--num_gpus", "--num-gpus", dest="num_gpus", type=int, help="use N slots per host")
-    own.add_argument("--launcher", choices=LAUNCHERS, help="how to start the per-node agents (default: ssh)")
+    own.add_argument(
+        "--launcher", choices=LAUNCHERS, help="how to start the per-node agents or processes (default: ssh)"
+    )
     own.add_argument("--ssh-port", type=int, help="ssh port of the hosts (e.g. 222)")
     own.add_argument("--ssh-user", help="remote user name")
     own.add_argument("--ssh-config", help="ssh client config file (ssh -F)")
@@ -160,7 +162,9 @@ def parse_request(argv: list[str]) -> LaunchRequest:
             head = ["--standalone", *head]
     else:
         head = _strip(head, _PER_NODE_FLAGS)
-    if launcher != "mpirun" and not _flag_name_in(head, ("--signals-to-handle", "--signals_to_handle")):
+    if launcher not in ("mpirun", "horovodrun") and not _flag_name_in(
+        head, ("--signals-to-handle", "--signals_to_handle")
+    ):
         # torchrun's agent passes on the signals it handles; SIGUSR1 (sbatch --signal=USR1@T) is not
         # among its defaults, and the agent would die of it without telling the workers to save.
         head = [*head, "--signals-to-handle", FORWARDED_SIGNALS]
@@ -202,6 +206,11 @@ def _check_script(ns: argparse.Namespace) -> None:
 
 
 def _nodes(ns: argparse.Namespace) -> list[Node] | None:
+    if not ns.hostfile and ns.launcher == "horovodrun":
+        # as horovodrun without -H: every process on this machine (-np, or --nproc-per-node)
+        count = ns.total_procs if ns.total_procs is not None else ns.nproc_per_node
+        if str(count).isdigit():
+            return [Node(host="localhost", slots=tuple(range(int(count))))]
     if not ns.hostfile:
         for flag in ("include", "exclude", "num_nodes", "num_gpus", "total_procs"):
             if getattr(ns, flag) is not None:

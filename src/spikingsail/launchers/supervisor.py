@@ -57,6 +57,13 @@ class Failure:
             detail = f"{where}rank {mpi['rank']} exited with {mpi['what']}"
             shown = "\n".join(f"    {line}" for line in self.tail[-12:])
             return f"mpirun failed (exit status {self.exit_code}): {detail}; its last output:\n{shown}"
+        horovod = _HOROVOD_EXIT.search("\n".join(self.tail))
+        if horovod is not None:
+            rank = horovod["rank"]
+            own = [line.split(":", 1)[1] for line in self.tail if line.startswith(f"[{rank}]<std")]
+            shown = "\n".join(f"    {line}" for line in (own or self.tail)[-12:])
+            return (f"horovodrun failed (exit status {self.exit_code}): rank {rank} exited with "
+                    f"{horovod['code']} first; its last output:\n{shown}")  # fmt: skip
         # Under pdsh one stream carries every node's summary; the earliest failure is the cause,
         # the others are ranks that lost their peers.
         causes = sorted(_ROOT_CAUSE.finditer("\n".join(self.tail)), key=lambda m: m["time"])
@@ -73,6 +80,10 @@ class Failure:
 # mpirun's reports of the first failed rank.
 _MPI_SIGNAL = re.compile(
     r"process rank (?P<rank>\d+) with PID \d+ on node (?P<host>\S+) exited on (?P<what>signal \d+[^\n]*)"
+)
+# horovodrun's (Gloo mode) report of the first failed rank; ranks' lines come as "[R]<stderr>:...".
+_HOROVOD_EXIT = re.compile(
+    r"The first process to do so was:\s*\nProcess name: (?P<rank>\d+)\s*\nExit code: (?P<code>-?\d+)"
 )
 _MPI_EXIT = re.compile(r"Process name:\s*\[\[\d+,\d+\],(?P<rank>\d+)\]\s*\n\s*Exit code:\s*(?P<what>-?\d+)")
 

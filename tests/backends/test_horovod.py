@@ -1,0 +1,232 @@
+"""The Horovod backend on 2 real ranks started by horovodrun: same training as DDP, exact resume,
+checkpoints shared with DDP, fp16 compression, ranks started by torchrun, and the errors for what
+it cannot do.
+
+Starting ranks costs seconds, so one module fixture runs every scenario in three launches: ranks
+started by torchrun's agent (DDP, and Horovod under torchrun), then Horovod ranks (``horovodrun
+--gloo -np 2 -H localhost:2``), then DDP ranks again to resume from the Horovod checkpoint. Each
+test asserts on its part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import spikingsail
+from spikingsail.environments import RankInfo
+from spikingsail.errors import BackendError, ConfigError
+from tests.backends.jobs.horovod_job import MICRO_STEPS, config, model, run_plan, train
+from tests.multiprocess import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+JOB = Path(__file__).with_name("jobs") / "horovod_job.py"
+HOROVODRUN = Path(sys.executable).with_name("horovodrun")
+STEPS = MICRO_STEPS // 2  # optimizer steps: gradient accumulation 2
+
+Results = dict[int, dict[str, Any]]
+
+
+def horovodrun(out: Path, plan: list[dict[str, Any]]) -> Results:
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps(plan))
+    # No MASTER_ADDR: the backend agrees on its torch.distributed store through Horovod.
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    argv = [str(HOROVODRUN), "--gloo", "-np", "2", "-H", "localhost:2",
+            sys.executable, str(JOB), str(out), str(out / "plan.json")]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=env, cwd=out, check=False)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return {rank: torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Results]:
+    root = tmp_path_factory.mktemp("horovod")
+    ckpt = {name: str(root / f"ckpt-{name}") for name in ("ddp", "hvd", "mid")}
+    ddp = run_ranks(run_plan, 2, [
+        {"tag": "straight", "backend": "ddp", "own_group": True},
+        {"tag": "save", "backend": "ddp", "checkpoints": ckpt["ddp"], "stop_at": 6, "own_group": True},
+        {"tag": "noclip", "backend": "ddp", "clip": False, "own_group": True},
+        {"tag": "fp16", "backend": "ddp", "precision": "fp16", "own_group": True},
+        {"tag": "bf16", "backend": "ddp", "precision": "bf16", "own_group": True},
+        {"tag": "under_torchrun", "backend": "horovod"},
+    ])  # fmt: skip
+    hvd = horovodrun(root / "hvd", [
+        {"tag": "straight", "backend": "horovod"},
+        {"tag": "fp16", "backend": "horovod", "precision": "fp16"},
+        {"tag": "bf16", "backend": "horovod", "precision": "bf16"},
+        {"tag": "save", "backend": "horovod", "checkpoints": ckpt["hvd"], "stop_at": 6},
+        {"tag": "resume", "backend": "horovod", "checkpoints": ckpt["hvd"], "resume": True},
+        {"tag": "save_mid_window", "backend": "horovod", "checkpoints": ckpt["mid"], "stop_at": 5},
+        {"tag": "resume_mid_window", "backend": "horovod", "checkpoints": ckpt["mid"], "resume": True},
+        {"tag": "from_ddp", "backend": "horovod", "checkpoints": ckpt["ddp"], "resume": True},
+        {"tag": "compressed", "backend": "horovod", "clip": False, "horovod": {"compression": "fp16"}},
+        {"tag": "adasum", "backend": "horovod", "clip": False, "horovod": {"op": "Adasum"},
+         "expect_error": True},
+    ])  # fmt: skip
+    ddp_after = run_ranks(run_plan, 2, [
+        {"tag": "from_horovod", "backend": "ddp", "checkpoints": ckpt["hvd"], "resume": True, "own_group": True},
+    ])  # fmt: skip
+    return {"ddp": ddp, "hvd": hvd, "ddp_after": ddp_after}
+
+
+def assert_same_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), f"{what}: {key} differs by {(got[key] - value).abs().max()}"
+
+
+def test_horovod_trains_exactly_like_ddp(runs: dict[str, Results]) -> None:
+    # Tolerance zero. With two ranks both compute the averaged gradient (g0 + g1) / 2 with one
+    # rounding: DDP halves each gradient (exact) and gloo adds them; Horovod adds them and scales
+    # the sum by 1/2 (exact). Clipping, AdamW and the fp16 loss scaler then see identical gradients.
+    for rank in (0, 1):
+        hvd, ddp = runs["hvd"][rank], runs["ddp"][rank]
+        assert hvd["straight"]["rank_source"] == "horovod" and ddp["straight"]["rank_source"] == "torchrun"
+        assert hvd["straight"]["env"]["MASTER_ADDR"] is None  # the group was agreed through Horovod
+        for tag in ("straight", "fp16", "bf16"):
+            assert hvd[tag]["steps"] == ddp[tag]["steps"] == STEPS
+            assert hvd[tag]["skipped"] == ddp[tag]["skipped"]
+            assert hvd[tag]["losses"] == ddp[tag]["losses"], tag
+            assert_same_params(hvd[tag]["params"], ddp[tag]["params"], tag)
+        # the fp16 runs did go through loss-scale overflows, detected on the averaged gradients
+        assert hvd["fp16"]["skipped"] > 0
+    assert_same_params(runs["hvd"][0]["straight"]["params"], runs["hvd"][1]["straight"]["params"], "ranks")
+
+
+def test_fp16_compression_averages_gradients_sent_in_half_precision(runs: dict[str, Results]) -> None:
+    compressed = [runs["hvd"][rank]["compressed"] for rank in (0, 1)]
+    assert len(compressed[0]["stepped_grads"]) == STEPS
+    for step, (grads0, grads1) in enumerate(zip(*(c["stepped_grads"] for c in compressed), strict=True)):
+        for name, grad in grads0.items():
+            # What the optimizer stepped with went through the all-reduce as float16: every value
+            # is a float16 number, and every rank has the same.
+            assert torch.equal(grad, grad.half().float()), (step, name)
+            assert torch.equal(grad, grads1[name]), (step, name)
+    reference = runs["ddp"][0]["noclip"]
+    for key, value in reference["params"].items():
+        got = compressed[0]["params"][key]
+        # float16 keeps 11 significant bits: each averaged gradient is off by at most 2**-11 of its
+        # size (plus the float16 rounding of the two ranks' sum), and AdamW's normalised steps of
+        # lr 0.01 pass that on relatively, so six steps move parameters by well under 1e-4.
+        torch.testing.assert_close(got, value, rtol=0, atol=1e-4, msg=key)
+    assert any(not torch.equal(compressed[0]["params"][k], v) for k, v in reference["params"].items())
+    global_losses = [
+        (a + b) / 2 for a, b in zip(compressed[0]["losses"], compressed[1]["losses"], strict=True)
+    ]
+    assert global_losses[-1] < global_losses[0]
+
+
+def test_adasum_needs_horovod_on_mpi(runs: dict[str, Results]) -> None:
+    # This Horovod is built with Gloo only, where Adasum does not exist ("No Adasum operation
+    # enabled"): every rank refuses before training, with the way out.
+    for rank in (0, 1):
+        adasum = runs["hvd"][rank]["adasum"]
+        assert adasum["error"] == "BackendError"
+        assert "horovod.op is Adasum, but Horovod runs on Gloo here" in adasum["message"]
+        assert "horovodrun --mpi" in adasum["message"]
+
+
+def test_save_and_resume_under_horovod_is_exact(runs: dict[str, Results]) -> None:
+    for rank in (0, 1):
+        hvd = runs["hvd"][rank]
+        assert hvd["save"] is None and hvd["save_mid_window"] is None
+        # saved on the boundary after step 3, and inside the window of step 3 (partial gradients)
+        assert_same_params(hvd["resume"]["params"], hvd["straight"]["params"], "resume")
+        assert_same_params(hvd["resume_mid_window"]["params"], hvd["straight"]["params"], "mid-window")
+        assert hvd["resume"]["losses"] == hvd["straight"]["losses"][3:]
+
+
+def test_checkpoints_move_between_ddp_and_horovod(runs: dict[str, Results]) -> None:
+    for rank in (0, 1):
+        want = runs["ddp"][rank]["straight"]["params"]
+        assert_same_params(runs["hvd"][rank]["from_ddp"]["params"], want, "DDP checkpoint under Horovod")
+        assert_same_params(
+            runs["ddp_after"][rank]["from_horovod"]["params"], want, "Horovod checkpoint under DDP"
+        )
+
+
+def test_horovod_backend_under_torchrun_meets_through_torch_distributed(runs: dict[str, Results]) -> None:
+    # `sail launch -n 2` (torchrun): rank 0 runs Horovod's rendezvous server itself and announces it
+    # over the torch.distributed group; the training is the same as under horovodrun.
+    for rank in (0, 1):
+        under_torchrun = runs["ddp"][rank]["under_torchrun"]
+        assert under_torchrun["rank_source"] == "torchrun"
+        assert under_torchrun["losses"] == runs["hvd"][rank]["straight"]["losses"]
+        assert_same_params(
+            under_torchrun["params"], runs["hvd"][rank]["straight"]["params"], "under torchrun"
+        )
+
+
+def test_one_process_without_horovodrun_trains_like_ddp() -> None:
+    # `python train.py` with the horovod backend: Horovod of size 1, no torch.distributed group
+    hvd = train({"tag": "single", "backend": "horovod"})
+    ddp = train({"tag": "single", "backend": "ddp"})
+    assert hvd is not None and ddp is not None
+    assert_same_params(hvd["params"], ddp["params"], "one process")
+
+
+def initialize(cfg: dict[str, Any]) -> None:
+    spikingsail.initialize(model=model(), config=cfg, rank_info=RankInfo.single())
+
+
+@pytest.mark.parametrize(
+    ("section", "extra", "message"),
+    [
+        ({"compresion": "fp16"}, {}, r"horovod\.compresion is not a Horovod option(.|\n)*did you mean horovod\.compression"),
+        ({"compression": "int8"}, {}, r"horovod\.compression is 'int8'(.|\n)*one of: 'none', 'fp16'"),
+        ({"op": "Sum"}, {}, r"horovod\.op is 'Sum'(.|\n)*one of: 'Average', 'Adasum'"),
+        ({"backward_passes_per_step": 4}, {}, r"horovod\.backward_passes_per_step is 4, but gradient_accumulation_steps is 2"),
+        ({"op": "adasum"}, {}, r"horovod\.op is Adasum together with gradient_clipping(.|\n)*before the engine could"),
+        ({"op": "Adasum"}, {"gradient_clipping": 0.0, "fp16": {"enabled": True}}, r"horovod\.op is Adasum together with fp16\.enabled"),
+        ("fp16", {}, r"'horovod' is str, not an object"),
+    ],
+)  # fmt: skip
+def test_bad_horovod_options_are_refused_before_anything_starts(
+    section: Any, extra: dict[str, Any], message: str
+) -> None:
+    cfg = {**config({"backend": "horovod"}), "horovod": section, **extra}
+    with pytest.raises(ConfigError, match=r"^<dict>: " + message):
+        initialize(cfg)
+
+
+def test_matching_backward_passes_per_step_and_case_insensitive_names_are_accepted() -> None:
+    from spikingsail.backends.horovod import horovod_options
+    from spikingsail.config.parse import load_config
+
+    cfg = {**config({"backend": "horovod", "clip": False}),
+           "horovod": {"compression": "FP16", "op": "average", "backward_passes_per_step": 2}}  # fmt: skip
+    options = horovod_options(load_config(cfg, world_size=2))
+    assert (options.compression, options.op, options.backward_passes_per_step) == ("fp16", "Average", 2)
+
+
+def test_without_horovod_installed_the_error_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "horovod.torch", None)  # what an absent package looks like to import
+    cfg = config({"backend": "horovod"})
+    with pytest.raises(BackendError, match=r"horovod\.torch cannot be imported(.|\n)*build-horovod\.sh"):
+        initialize(cfg)
+
+
+def test_choosing_another_backend_never_imports_horovod() -> None:
+    code = (
+        "import sys, torch, spikingsail\n"
+        "from spikingsail.backends import sharding_backends\n"
+        "from spikingsail.environments import RankInfo\n"
+        "sharding_backends(1)\n"  # imports every backend module to ask it
+        "net = torch.nn.Linear(2, 2)\n"
+        "engine, _ = spikingsail.initialize(model=net, rank_info=RankInfo.single(), config={\n"
+        "    'train_micro_batch_size_per_gpu': 1, 'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}})\n"
+        "engine.close()\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'horovod'], 'horovod was imported'\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -1,0 +1,144 @@
+"""`sail launch --launcher horovodrun`: the command as data (a golden file), its refusals, and one
+real run of two ranks on this machine."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from spikingsail.errors import LaunchError
+from spikingsail.launchers import plan
+from spikingsail.launchers.horovodrun import remote_hosts
+from spikingsail.launchers.remote_env import FORWARDED_PREFIXES
+from spikingsail.launchers.request import parse_request
+from spikingsail.launchers.supervisor import Failure
+
+GOLDEN = Path(__file__).with_name("golden")
+JOB = Path(__file__).parents[1] / "backends" / "jobs" / "horovod_job.py"
+
+
+@pytest.fixture
+def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A working directory with train.py and a shell whose variables are known."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").touch()
+    for key in list(os.environ):
+        if key.startswith((*FORWARDED_PREFIXES, "HOROVOD_", "MASTER_")) or key in ("USER", "SSH_AUTH_SOCK"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.sail_env
+    monkeypatch.setenv("PATH", "/usr/local/bin:/usr/bin:/bin")
+    return tmp_path
+
+
+def test_horovodrun_command(job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")  # an allowed prefix: shipped
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "33554432")  # Horovod tuning: shipped
+    monkeypatch.setenv("HOROVOD_RANK", "5")  # horovodrun sets it per process: never from the shell
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")  # anything else stays here
+    (command,) = plan(parse_request([
+        "--launcher", "horovodrun", "-H", "node1:2,node2:2", "-np", "3", "--ssh-port", "222",
+        "--master-port", "23456", "--env", "SAIL_PROBE=yes", "--launcher-args=--verbose",
+        "train.py", "--lr", "0.1",
+    ]))  # fmt: skip
+    expected = (GOLDEN / "horovodrun.txt").read_text().format(python=sys.executable, home=job / "home")
+    assert command.render() == expected.rstrip("\n")
+    assert command.env == {}  # everything the ranks get is in the command line
+
+
+def test_without_hosts_every_process_runs_here(job: Path) -> None:
+    for flags in (["-n", "3"], ["-np", "3"]):
+        (command,) = plan(parse_request(["--launcher", "horovodrun", *flags, "train.py"]))
+        assert command.argv[-6:] == ["-np", "3", "-H", "localhost:3", sys.executable, "train.py"]
+
+
+def test_module_and_no_python(job: Path) -> None:
+    (module,) = plan(parse_request(["--launcher", "horovodrun", "-H", "localhost:2", "-m", "pkg.train", "x"]))
+    assert module.argv[-5:] == ["localhost:2", sys.executable, "-m", "pkg.train", "x"]
+    (binary,) = plan(
+        parse_request(["--launcher", "horovodrun", "-H", "localhost:2", "--no-python", "train.py"])
+    )
+    assert binary.argv[-2:] == ["localhost:2", "train.py"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--launcher", "horovodrun", "--nproc-per-node", "gpu", "train.py"], "--launcher horovodrun needs hosts"),
+        (["--launcher", "horovodrun", "-H", "a:2,b:2", "--include", "a:1@b"], "cannot give a a chosen set of slots"),
+        (["--launcher", "horovodrun", "-H", "a:2", "--ssh-user", "bob"], "cannot pass --ssh-user to ssh"),
+        (["--launcher", "horovodrun", "-H", "a:2", "-np", "3"], "-np 3 but the hosts offer 2 slot"),
+    ],
+)  # fmt: skip
+def test_refusals(job: Path, argv: list[str], message: str) -> None:
+    with pytest.raises(LaunchError, match=message):
+        plan(parse_request([*argv, "train.py"] if "train.py" not in argv else argv))
+
+
+def test_without_horovod_installed(job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "horovod", None)  # what an absent package looks like to import
+    with pytest.raises(LaunchError, match=r"horovodrun command is not installed(.|\n)*build-horovod\.sh"):
+        plan(parse_request(["--launcher", "horovodrun", "-H", "localhost:2", "train.py"]))
+
+
+def test_only_other_machines_are_checked_over_ssh() -> None:
+    local = ["localhost", "127.0.0.1", socket.gethostname()]
+    assert remote_hosts([*local, "192.0.2.7", "no-such-host.invalid"]) == [
+        "192.0.2.7",
+        "no-such-host.invalid",
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.multiprocess
+def test_sail_launch_with_horovodrun_trains_two_ranks(tmp_path: Path) -> None:
+    (tmp_path / "plan.json").write_text('[{"tag": "run", "backend": "horovod"}]')
+    env = {**os.environ, "AWS_SECRET_ACCESS_KEY": "s3cr3t"}
+    argv = [sys.executable, "-m", "spikingsail.cli.main", "launch", "--launcher", "horovodrun",
+            "-H", "localhost:2", "--master-port", str(free_port()), "--env", "SAIL_PROBE=yes",
+            str(JOB), str(tmp_path), str(tmp_path / "plan.json")]  # fmt: skip
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path, check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[localhost] [0]<stderr>:" in done.stdout + done.stderr  # horovodrun's rank prefixes, relayed
+    runs = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)["run"] for rank in (0, 1)]
+    for run in runs:
+        assert run["rank_source"] == "horovod" and run["steps"] == 6
+        # what the ranks got: sail's explicit environment, not the launching shell's
+        assert run["env"]["MASTER_ADDR"] == "localhost" and run["env"]["SAIL_PROBE"] == "yes"
+        assert run["env"]["AWS_SECRET_ACCESS_KEY"] is None
+    global_losses = [(a + b) / 2 for a, b in zip(runs[0]["losses"], runs[1]["losses"], strict=True)]
+    assert global_losses[-1] < global_losses[0]  # the same run every time: seeds, data and order are fixed
+    for key, value in runs[0]["params"].items():
+        assert torch.equal(runs[1]["params"][key], value), key
+
+
+def test_a_failed_rank_is_named_with_its_own_last_output() -> None:
+    tail = [
+        "[1]<stderr>:Traceback (most recent call last):",
+        "[1]<stderr>:spikingsail.errors.ConfigError: <dict>: horovod.op is 'Sum'",
+        "[0]<stderr>:[rank0] waiting for rank 1",
+        "Traceback (most recent call last):",
+        "RuntimeError: Horovod detected that one or more processes exited with non-zero status, thus "
+        "causing the job to be terminated. The first process to do so was:",
+        "Process name: 1",
+        "Exit code: 1",
+    ]
+    text = Failure(host="localhost", exit_code=1, tail=tail).describe()
+    assert text.startswith(
+        "horovodrun failed (exit status 1): rank 1 exited with 1 first; its last output:\n"
+    )
+    assert text.endswith(
+        "\n    Traceback (most recent call last):\n    spikingsail.errors.ConfigError: <dict>: horovod.op is 'Sum'"
+    )

@@ -4,13 +4,16 @@
     python benchmarks/engine_vs_ddp.py --steps 400
     python benchmarks/engine_vs_ddp.py --backend fsdp    # engine on FSDP2 against a fully_shard loop
     python benchmarks/engine_vs_ddp.py --backend deepspeed --zero-stage 2   # against DeepSpeed's own loop
+    python benchmarks/engine_vs_ddp.py --backend horovod    # under horovodrun, against a Horovod loop
 
 Both loops train the same model on the same pre-made batches in the same process group; their
 steps alternate one by one, so machine noise and allocator state hit both alike (alternating in
 blocks of steps biased the tiny model's ratio by up to ±10%). Prints the median step time of each
 after warm-up and their ratio (engine / by hand) for a tiny and a mid-size model. The FSDP2 loop
 shards each child with parameters and then the root, as the engine's backend does; the DeepSpeed
-loop is DeepSpeed's own ``engine(x); engine.backward(loss); engine.step()`` with the same ZeRO stage.
+loop is DeepSpeed's own ``engine(x); engine.backward(loss); engine.step()`` with the same ZeRO stage;
+the Horovod loop is Horovod's documented one (``hvd.DistributedOptimizer``, ``broadcast_parameters``),
+both started by horovodrun.
 """
 
 from __future__ import annotations
@@ -90,6 +93,22 @@ def by_hand(model: nn.Module, backend: str, stage: int) -> Step:
             ds.step()
 
         return ds_step
+    if backend == "horovod":
+        import horovod.torch as hvd
+
+        hvd.init()
+        hvd_optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
+        )
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+        def hvd_step(x: torch.Tensor, y: torch.Tensor) -> None:
+            hvd_optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            hvd_optimizer.step()
+
+        return hvd_step
     if backend == "ddp":
         wrapped: nn.Module = DistributedDataParallel(model)
     else:
@@ -142,14 +161,17 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=300, help="measured steps per loop and model")
-    parser.add_argument("--backend", choices=["ddp", "fsdp", "deepspeed"], default="ddp")
+    parser.add_argument("--backend", choices=["ddp", "fsdp", "deepspeed", "horovod"], default="ddp")
     parser.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage for --backend deepspeed")
     args = parser.parse_args()
-    if "RANK" not in os.environ:
-        os.execv(
-            sys.executable,
-            [sys.executable, "-m", "spikingsail.cli.main", "launch", "-n", "2", __file__, *sys.argv[1:]],
-        )
+    sail = [sys.executable, "-m", "spikingsail.cli.main", "launch"]
+    if args.backend == "horovod":
+        if "HOROVOD_RANK" not in os.environ:
+            os.execv(sys.executable, [*sail, "--launcher", "horovodrun", "-np", "2", __file__, *sys.argv[1:]])
+        os.environ.setdefault("RANK", os.environ["HOROVOD_RANK"])
+        os.environ.setdefault("WORLD_SIZE", os.environ["HOROVOD_SIZE"])
+    elif "RANK" not in os.environ:
+        os.execv(sys.executable, [*sail, "-n", "2", __file__, *sys.argv[1:]])
     dist.init_process_group("gloo")
     rows = [
         (name, *compare(name, make, args.steps, args.backend, args.zero_stage))

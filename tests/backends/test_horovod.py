@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -124,14 +125,58 @@ def test_fp16_compression_averages_gradients_sent_in_half_precision(runs: dict[s
     assert global_losses[-1] < global_losses[0]
 
 
-def test_adasum_needs_horovod_on_mpi(runs: dict[str, Results]) -> None:
-    # This Horovod is built with Gloo only, where Adasum does not exist ("No Adasum operation
-    # enabled"): every rank refuses before training, with the way out.
+def test_adasum_on_gloo_is_refused_with_the_way_out(runs: dict[str, Results]) -> None:
+    # Horovod implements Adasum on MPI only ("No Adasum operation enabled" on Gloo): ranks that
+    # horovodrun started in Gloo mode refuse before training, naming the way out.
     for rank in (0, 1):
         adasum = runs["hvd"][rank]["adasum"]
         assert adasum["error"] == "BackendError"
         assert "horovod.op is Adasum, but Horovod runs on Gloo here" in adasum["message"]
         assert "horovodrun --mpi" in adasum["message"]
+
+
+ADASUM_JOB = """
+import json, torch, spikingsail
+torch.manual_seed(0)
+net = torch.nn.Linear(3, 1, bias=False)
+w0 = net.weight.detach().clone()
+engine, _ = spikingsail.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.5),
+    config={"train_micro_batch_size_per_gpu": 1, "horovod": {"op": "Adasum"},
+            "sail": {"backend": "horovod", "progress_bar": False}})
+x = torch.tensor([[1.0, 2.0, 0.5], [0.3, -1.0, 2.0]])[engine.rank:engine.rank + 1]
+engine.backward(engine(x).sum())
+engine.step()
+print(json.dumps({"w": engine.module.weight.detach().flatten().tolist(), "w0": w0.flatten().tolist()}))
+engine.close()
+"""
+
+
+def test_adasum_on_mpi_combines_the_ranks_updates_by_its_formula(tmp_path: Path) -> None:
+    # Open MPI starts the ranks; Horovod runs on its MPI controller, where Adasum lives.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (tmp_path / "job.py").write_text(ADASUM_JOB)
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    argv = ["mpirun", *root, "-np", "2", "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}",
+            sys.executable, str(tmp_path / "job.py")]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 2 and results[0] == results[1]
+    # each rank's SGD update is -lr * x_rank; Adasum(a, b) = (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b
+    a = -0.5 * torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)
+    b = -0.5 * torch.tensor([0.3, -1.0, 2.0], dtype=torch.float64)
+    dot = a @ b
+    expected = (
+        torch.tensor(results[0]["w0"], dtype=torch.float64)
+        + (1 - dot / (2 * a @ a)) * a
+        + (1 - dot / (2 * b @ b)) * b
+    )
+    average = torch.tensor(results[0]["w0"], dtype=torch.float64) + (a + b) / 2
+    got = torch.tensor(results[0]["w"], dtype=torch.float64)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)  # float32 arithmetic inside Horovod
+    assert (got - average).abs().max() > 0.1  # and not what averaging would give
 
 
 def test_save_and_resume_under_horovod_is_exact(runs: dict[str, Results]) -> None:

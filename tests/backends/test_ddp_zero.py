@@ -13,7 +13,7 @@ import spikingsail
 from spikingsail.environments import RankInfo
 from spikingsail.errors import ConfigError
 from tests.backends.test_fsdp import MICRO_STEPS, data, model
-from tests.multiprocess import run_ranks
+from tests.multiprocess import run_ranks, train_micro_steps
 
 pytestmark = pytest.mark.multiprocess
 
@@ -37,17 +37,13 @@ def train(stage: int, checkpoints: str | None = None, stop_at: int | None = None
     engine, optimizer = spikingsail.initialize(model=net, optimizer=optimizer, config=config(stage),
                                                checkpoints_path=checkpoints, resume=resume)  # fmt: skip
     loader = engine.dataloader(data())
-    while engine.micro_steps < MICRO_STEPS:
-        for x, y in loader:
-            engine.backward(F.cross_entropy(engine(x), y))
-            engine.step()
-            if engine.micro_steps == stop_at:
-                assert checkpoints is not None
-                engine.save_checkpoint(checkpoints)
-                engine.close()
-                return None
-            if engine.micro_steps == MICRO_STEPS:
-                break
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        engine.backward(F.cross_entropy(engine(x), y))
+        engine.step()
+
+    if not train_micro_steps(engine, loader, MICRO_STEPS, step, stop_at=stop_at, checkpoints=checkpoints):
+        return None
     local = getattr(optimizer, "optim", optimizer)
     result = {"params": {k: v.detach().clone() for k, v in engine.module.named_parameters()},
               "kind": type(optimizer).__name__, "state_here": len(local.state),

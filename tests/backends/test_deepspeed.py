@@ -17,7 +17,7 @@ from torch.utils.data import TensorDataset
 import spikingsail
 from spikingsail.environments import RankInfo
 from spikingsail.errors import BackendError, SailError
-from tests.multiprocess import run_ranks
+from tests.multiprocess import run_ranks, train_micro_steps
 
 pytestmark = pytest.mark.multiprocess
 MICRO_STEPS = 12
@@ -63,20 +63,16 @@ def train(cfg: dict[str, Any], checkpoints: str | None = None, stop_at: int | No
     engine, ds_optimizer = spikingsail.initialize(model=net, optimizer=optimizer, config=cfg,
                                                   checkpoints_path=checkpoints, resume=resume)  # fmt: skip
     loader = engine.dataloader(data())
-    losses = []
-    while engine.micro_steps < MICRO_STEPS:
-        for x, y in loader:
-            loss = F.cross_entropy(engine(x).float(), y)
-            losses.append(float(loss))
-            engine.backward(loss)
-            engine.step()
-            if engine.micro_steps == stop_at:
-                assert checkpoints is not None
-                engine.save_checkpoint(checkpoints)
-                engine.close()
-                return None
-            if engine.micro_steps == MICRO_STEPS:
-                break
+    losses: list[float] = []
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = F.cross_entropy(engine(x).float(), y)
+        losses.append(float(loss.detach()))
+        engine.backward(loss)
+        engine.step()
+
+    if not train_micro_steps(engine, loader, MICRO_STEPS, step, stop_at=stop_at, checkpoints=checkpoints):
+        return None
     sharded = [getattr(p, "ds_numel", p.numel()) > p.numel() for p in engine.module.parameters()]
     inner = getattr(ds_optimizer, "optimizer", ds_optimizer)
     result = {"params": full_parameters(engine), "steps": engine.global_steps, "losses": losses,

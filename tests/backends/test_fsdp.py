@@ -15,7 +15,7 @@ from torch.utils.data import TensorDataset
 import spikingsail
 from spikingsail.environments import RankInfo
 from spikingsail.errors import BackendError
-from tests.multiprocess import run_ranks
+from tests.multiprocess import run_ranks, train_micro_steps
 
 pytestmark = pytest.mark.multiprocess
 MICRO_STEPS = 12
@@ -46,17 +46,13 @@ def train(backend: str, checkpoints: str | None = None, stop_at: int | None = No
     engine, _ = spikingsail.initialize(model=model(), config=config(backend), checkpoints_path=checkpoints,
                                        resume=resume)  # fmt: skip
     loader = engine.dataloader(data())
-    while engine.micro_steps < MICRO_STEPS:
-        for x, y in loader:
-            engine.backward(F.cross_entropy(engine(x), y))
-            engine.step()
-            if engine.micro_steps == stop_at:
-                assert checkpoints is not None
-                engine.save_checkpoint(checkpoints)
-                engine.close()
-                return None
-            if engine.micro_steps == MICRO_STEPS:
-                break
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        engine.backward(F.cross_entropy(engine(x), y))
+        engine.step()
+
+    if not train_micro_steps(engine, loader, MICRO_STEPS, step, stop_at=stop_at, checkpoints=checkpoints):
+        return None
     weight = engine.module[0].weight
     local_rows = weight.to_local().shape[0] if isinstance(weight, DTensor) else weight.shape[0]
     full = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True))

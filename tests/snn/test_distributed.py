@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 import spikingsail
 from spikingsail.environments import RankInfo
 from spikingsail.snn import MultiStepSyncBatchNorm, convert_sync_batchnorm, firing_rate
-from tests.multiprocess import run_ranks
+from tests.multiprocess import run_ranks, train_micro_steps
 from tests.snn.models import spiking_cnn
 
 pytestmark = pytest.mark.multiprocess
@@ -89,18 +89,14 @@ def snn_train(
         rank_info=RankInfo.single() if single else None, checkpoints_path=checkpoints, resume=resume,
     )  # fmt: skip
     loader = engine.dataloader(digits())
-    while engine.micro_steps < micro_steps:
-        for x, y in loader:
-            rate = firing_rate(engine(engine.encode(x)))
-            engine.backward(F.mse_loss(rate, F.one_hot(y, 3).float()))
-            engine.step()
-            if engine.micro_steps == stop_at:
-                assert checkpoints is not None
-                engine.save_checkpoint(checkpoints)
-                engine.close()
-                return None
-            if engine.micro_steps == micro_steps:
-                break
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        rate = firing_rate(engine(engine.encode(x)))
+        engine.backward(F.mse_loss(rate, F.one_hot(y, 3).float()))
+        engine.step()
+
+    if not train_micro_steps(engine, loader, micro_steps, step, stop_at=stop_at, checkpoints=checkpoints):
+        return None
     full = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True))
     state = {k: v.clone() for k, v in full.items()}
     engine.close()

@@ -29,6 +29,7 @@ from spikingsail.backends.process_group import ProcessGroupBackend, dist_backend
 from spikingsail.checkpoint.store import CheckpointError
 from spikingsail.config.parse import INERT_DEEPSPEED_KEYS
 from spikingsail.errors import BackendError
+from spikingsail.tensors import map_tensors
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -149,7 +150,8 @@ class DeepSpeedBackend(ProcessGroupBackend):
         # DeepSpeed turns the model itself into fp16/bf16; floating inputs must follow.
         if self._half is None:
             return inputs
-        return _cast_floats(inputs, self._half)
+        half = self._half
+        return map_tensors(inputs, lambda t: t.to(half) if t.is_floating_point() else t)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss)
@@ -236,18 +238,6 @@ class DeepSpeedBackend(ProcessGroupBackend):
                 self.ds.destroy()
             self.ds = None
         super().teardown()
-
-
-def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, tuple):
-        return tuple(_cast_floats(o, dtype) for o in obj)
-    if isinstance(obj, list):
-        return [_cast_floats(o, dtype) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
-    return obj
 
 
 def _describe(err: BaseException) -> str:

@@ -36,6 +36,7 @@ from spikingsail.optim.schedulers import build_scheduler
 from spikingsail.snn.encoding import encode
 from spikingsail.snn.support import SpikingSupport
 from spikingsail.snn.syncbn import convert_sync_batchnorm
+from spikingsail.tensors import map_tensors
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class Engine:
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._move_inputs:
-            inputs, kwargs = _to_device((inputs, kwargs), self.device)
+            inputs, kwargs = map_tensors((inputs, kwargs), lambda t: t.to(self.device, non_blocking=True))
         sync = self.is_gradient_accumulation_boundary() or not torch.is_grad_enabled()
         self.snn.before_forward()
         inputs, kwargs = self.backend.prepare_inputs((inputs, kwargs))
@@ -439,15 +440,3 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple):
-        return tuple(_to_device(o, device) for o in obj)
-    if isinstance(obj, list):
-        return [_to_device(o, device) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj

@@ -140,8 +140,8 @@ def test_metrics_file_gets_one_line_per_step(tmp_path: Any) -> None:
 
 
 def test_inputs_are_moved_through_nested_structures() -> None:
-    from spikingsail.engine.engine import _to_device
+    from spikingsail.tensors import map_tensors
 
-    moved = _to_device(({"x": [torch.ones(1)], "n": 3}, (torch.zeros(2),)), torch.device("meta"))
+    moved = map_tensors(({"x": [torch.ones(1)], "n": 3}, (torch.zeros(2),)), lambda t: t.to("meta"))
     assert moved[0]["n"] == 3
     assert moved[0]["x"][0].device.type == "meta" and moved[1][0].device.type == "meta"

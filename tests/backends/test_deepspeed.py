@@ -4,6 +4,7 @@ like DDP, resume exactly, and refuse what they cannot do with a clear message.""
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -212,3 +213,31 @@ def test_the_core_and_the_other_backends_never_import_deepspeed(tmp_path: Path) 
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+SINGLE = """
+import torch, spikingsail
+from spikingsail.environments import RankInfo
+net = torch.nn.Linear(4, 2)
+engine, _ = spikingsail.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+    config={"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True, "initial_scale_power": 8},
+            "sail": {"backend": "deepspeed", "progress_bar": False}}, rank_info=RankInfo.single())
+before = net.weight.detach().float().clone()
+for _ in range(3):
+    engine.backward(engine(torch.randn(2, 4)).float().sum())  # float32 inputs: cast for the fp16 model
+    engine.step()
+moved = bool((net.weight.detach().float() - before).abs().max() > 0)
+print("result", engine.global_steps, next(engine.module.parameters()).dtype, moved, engine.loss_scale,
+      engine.skipped_steps)
+engine.close()
+"""
+
+
+def test_one_process_without_a_launcher_trains_in_fp16() -> None:
+    # DeepSpeed wants LOCAL_RANK from a launcher, and a process group: the backend provides both
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    result = subprocess.run(
+        [sys.executable, "-c", SINGLE], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "result 3 torch.float16 True 256.0 0"

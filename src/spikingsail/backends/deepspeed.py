@@ -121,14 +121,15 @@ class DeepSpeedBackend(ProcessGroupBackend):
         if lr_scheduler is not None:
             ds_config.pop("scheduler", None)
         try:
-            engine, ds_optimizer, _, ds_scheduler = self.deepspeed.initialize(
-                model=model,
-                optimizer=optimizer,
-                model_parameters=None if optimizer is not None else list(model.parameters()),
-                lr_scheduler=lr_scheduler,
-                config=ds_config,
-                dist_init_required=False,
-            )
+            with _local_rank_in_environment(self.rank_info.local_rank):
+                engine, ds_optimizer, _, ds_scheduler = self.deepspeed.initialize(
+                    model=model,
+                    optimizer=optimizer,
+                    model_parameters=None if optimizer is not None else list(model.parameters()),
+                    lr_scheduler=lr_scheduler,
+                    config=ds_config,
+                    dist_init_required=False,
+                )
         except Exception as err:  # DeepSpeed reports config problems as several exception types
             raise BackendError(
                 f"{config.source}: deepspeed.initialize refused the model, optimizer or config",
@@ -238,6 +239,20 @@ class DeepSpeedBackend(ProcessGroupBackend):
                 self.ds.destroy()
             self.ds = None
         super().teardown()
+
+
+@contextlib.contextmanager
+def _local_rank_in_environment(local_rank: int) -> Iterator[None]:
+    """DeepSpeed reads LOCAL_RANK from the environment; a single process started without a
+    launcher has none. Set it for ``deepspeed.initialize`` only."""
+    if "LOCAL_RANK" in os.environ:
+        yield
+        return
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    try:
+        yield
+    finally:
+        os.environ.pop("LOCAL_RANK", None)
 
 
 def _describe(err: BaseException) -> str:

@@ -66,3 +66,28 @@ def test_the_main_job_runs_under_deepspeeds_own_launcher_and_flags(tmp_path: Pat
     )
     assert accuracy(result) >= 0.95
     assert "spawned with command" in result.stdout + result.stderr  # DeepSpeed's launcher started the ranks
+
+
+def test_the_main_job_reaches_95_percent_under_horovod_started_by_horovodrun(tmp_path: Path) -> None:
+    config = config_for(tmp_path, "horovod")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spikingsail.cli.main",
+            "launch",
+            "--launcher",
+            "horovodrun",
+            "-np",
+            "2",
+            SCRIPT,
+            "--sail-config",
+            config,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert accuracy(result) >= 0.95
+    assert "backend                 : horovod" in result.stdout + result.stderr

@@ -26,6 +26,10 @@ def config_for(tmp_path: Path, backend: str, **extra: Any) -> str:
     return str(path)
 
 
+def run(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
 def accuracy(result: subprocess.CompletedProcess[str]) -> float:
     assert result.returncode == 0, result.stderr[-3000:]
     match = re.search(r"test accuracy: ([0-9.]+) \(359 images, 2 processes\)", result.stdout)
@@ -49,20 +53,9 @@ def test_the_main_job_reaches_95_percent_under(tmp_path: Path, backend: str, ext
 
 def test_the_main_job_runs_under_deepspeeds_own_launcher_and_flags(tmp_path: Path) -> None:
     config = config_for(tmp_path, "deepspeed", zero_optimization={"stage": 1})
-    result = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("deepspeed")),
-            "--num_gpus",
-            "2",
-            SCRIPT,
-            "--deepspeed",
-            "--deepspeed_config",
-            config,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
+    deepspeed = str(Path(sys.executable).with_name("deepspeed"))
+    result = run(
+        deepspeed, "--num_gpus", "2", SCRIPT, "--deepspeed", "--deepspeed_config", config, cwd=tmp_path
     )
     assert accuracy(result) >= 0.95
     assert "spawned with command" in result.stdout + result.stderr  # DeepSpeed's launcher started the ranks
@@ -70,24 +63,7 @@ def test_the_main_job_runs_under_deepspeeds_own_launcher_and_flags(tmp_path: Pat
 
 def test_the_main_job_reaches_95_percent_under_horovod_started_by_horovodrun(tmp_path: Path) -> None:
     config = config_for(tmp_path, "horovod")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "spikingsail.cli.main",
-            "launch",
-            "--launcher",
-            "horovodrun",
-            "-np",
-            "2",
-            SCRIPT,
-            "--sail-config",
-            config,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
+    sail = [sys.executable, "-m", "spikingsail.cli.main", "launch"]
+    result = run(*sail, "--launcher", "horovodrun", "-np", "2", SCRIPT, "--sail-config", config, cwd=tmp_path)
     assert accuracy(result) >= 0.95
     assert "backend                 : horovod" in result.stdout + result.stderr

@@ -28,7 +28,7 @@ import sys
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.remote_env import remote_env
-from spikingsail.launchers.request import LaunchRequest
+from spikingsail.launchers.request import LaunchRequest, require_first_slots
 
 INSTALL_HINT = (
     'pip install "$(bash scripts/build-horovod.sh PYTHON)" (builds Horovod 0.28.1 with PyTorch and Gloo '
@@ -56,14 +56,8 @@ class HorovodrunLauncher:
         return importlib.util.find_spec("horovod") is not None
 
     def commands(self, request: LaunchRequest) -> list[LaunchCommand]:
-        assert request.nodes, "parse_request gives multi-node launchers their nodes"
-        custom = [n.host for n in request.nodes if n.slots != tuple(range(n.nproc))]
-        if custom:
-            raise LaunchError(
-                f"--launcher horovodrun cannot give {', '.join(custom)} a chosen set of slots",
-                "horovodrun starts the same command on every host, so every host uses its first N GPUs",
-                "use --num_gpus instead of slot lists, or --launcher ssh",
-            )
+        require_first_slots(request, "horovodrun")
+        assert request.nodes  # checked there
         for given, flag in ((request.ssh.user, "--ssh-user"), (request.ssh.config, "--ssh-config")):
             if given:
                 raise LaunchError(

@@ -12,11 +12,10 @@ import os
 import shlex
 import shutil
 
-from spikingsail.errors import LaunchError
 from spikingsail.launchers.as_torchrun import shimmed
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.remote_env import remote_env
-from spikingsail.launchers.request import LaunchRequest
+from spikingsail.launchers.request import LaunchRequest, require_first_slots
 
 
 class MpirunLauncher:
@@ -27,14 +26,8 @@ class MpirunLauncher:
         return shutil.which("mpirun") is not None
 
     def commands(self, request: LaunchRequest) -> list[LaunchCommand]:
-        assert request.nodes, "parse_request gives multi-node launchers their nodes"
-        custom = [n.host for n in request.nodes if n.slots != tuple(range(n.nproc))]
-        if custom:
-            raise LaunchError(
-                f"--launcher mpirun cannot give {', '.join(custom)} a chosen set of slots",
-                "mpirun starts the same command on every host, so every host uses its first N GPUs",
-                "use --num_gpus instead of slot lists, or --launcher ssh",
-            )
+        require_first_slots(request, "mpirun")
+        assert request.nodes  # checked there
         env = {
             **remote_env(request.env),
             "MASTER_ADDR": request.nodes[0].host,

@@ -83,6 +83,18 @@ class LaunchRequest:
     dry_run: bool = False
 
 
+def require_first_slots(request: LaunchRequest, launcher: str) -> None:
+    """Launchers that start one command per host (mpirun, horovodrun) cannot honour slot lists."""
+    assert request.nodes, "parse_request gives multi-node launchers their nodes"
+    custom = [n.host for n in request.nodes if n.slots != tuple(range(n.nproc))]
+    if custom:
+        raise LaunchError(
+            f"--launcher {launcher} cannot give {', '.join(custom)} a chosen set of slots",
+            f"{launcher} starts the same command on every host, so every host uses its first N GPUs",
+            "use --num_gpus instead of slot lists, or --launcher ssh",
+        )
+
+
 def parser() -> argparse.ArgumentParser:
     p = get_args_parser()
     p.prog = "sail launch"

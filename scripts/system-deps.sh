@@ -4,9 +4,9 @@
 # Needs root and Debian's apt; elsewhere it says what is missing and the cluster tests will fail
 # with the same message.
 set -euo pipefail
-packages=(openssh-server openssh-client pdsh openmpi-bin slurm-wlm munge iproute2 util-linux g++ make cmake
+packages=(openssh-server openssh-client pdsh openmpi-bin slurm-wlm munge iproute2 iptables util-linux g++ make cmake
           libopenmpi-dev)
-commands=(/usr/sbin/sshd ssh pdsh mpirun /usr/sbin/slurmctld /usr/sbin/slurmd srun /usr/sbin/munged ip nsenter unshare
+commands=(/usr/sbin/sshd ssh pdsh mpirun /usr/sbin/slurmctld /usr/sbin/slurmd srun /usr/sbin/munged ip iptables nsenter unshare
           g++ make cmake mpicxx)
 missing=()
 for cmd in "${commands[@]}"; do command -v "$cmd" >/dev/null 2>&1 || missing+=("$cmd"); done

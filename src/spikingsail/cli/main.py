@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
+from collections.abc import Callable
 
 from spikingsail import __version__
 from spikingsail.errors import SailError
@@ -16,9 +18,15 @@ commands:
   launch     start a training script under torchrun: here (-n 2), on a hostfile's nodes (-H), with
              mpirun, or with srun inside a SLURM allocation
   submit     write an sbatch script for a training script and submit it to SLURM
+  doctor     check this machine (-H: every node of a hostfile) for the set-up mistakes that make
+             jobs fail or hang, with a fix for each
+  bench      measure things: `sail bench comm` times all-reduce, all-gather and broadcast
 
 Run `sail <command> --help` for a command's options.
 """
+
+
+_COMMANDS = ("launch", "submit", "doctor", "bench")  # each a module of spikingsail.cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,20 +39,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     configure_logging()
+    if command not in _COMMANDS:
+        print(f"sail: unknown command {command!r}\n\n{_USAGE}", file=sys.stderr, end="")
+        return 2
     try:
-        if command == "launch":
-            from spikingsail.cli import launch
-
-            return launch.run(rest)
-        if command == "submit":
-            from spikingsail.cli import submit
-
-            return submit.run(rest)
+        run: Callable[[list[str]], int] = importlib.import_module(f"spikingsail.cli.{command}").run
+        return run(rest)
     except SailError as err:
         print(f"sail {command}: {err}", file=sys.stderr)
         return 2
-    print(f"sail: unknown command {command!r}\n\n{_USAGE}", file=sys.stderr, end="")
-    return 2
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from types import FrameType
 from spikingsail.launchers.command import LaunchCommand
 
 TAIL_LINES = 80
+TIMED_OUT = 124
 _GRACE_SECONDS = 15.0
 # torchrun's failure summary, possibly behind pdsh's "node2: " prefixes:
 #   time      : 2026-11-22_03:03:39
@@ -88,10 +89,16 @@ _HOROVOD_EXIT = re.compile(
 _MPI_EXIT = re.compile(r"Process name:\s*\[\[\d+,\d+\],(?P<rank>\d+)\]\s*\n\s*Exit code:\s*(?P<what>-?\d+)")
 
 
-def supervise(commands: list[LaunchCommand]) -> tuple[int, Failure | None]:
-    """Run all commands; returns (exit status, the first failure or None)."""
+def supervise(
+    commands: list[LaunchCommand], *, echo: bool = True, timeout: float | None = None
+) -> tuple[int, Failure | None]:
+    """Run all commands; returns (exit status, the first failure or None).
+
+    ``echo=False`` keeps the output to the failure report instead of relaying it; after ``timeout``
+    seconds every command is stopped and the job fails with exit status 124, as timeout(1) does.
+    """
     running = [_start(c) for c in commands]
-    relays = [threading.Thread(target=_relay, args=(r,), daemon=True) for r in running]
+    relays = [threading.Thread(target=_relay, args=(r, echo), daemon=True) for r in running]
     for relay in relays:
         relay.start()
     stop: list[int] = []
@@ -101,7 +108,7 @@ def supervise(commands: list[LaunchCommand]) -> tuple[int, Failure | None]:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        failure = _wait(running, stop)
+        failure = _wait(running, stop, None if timeout is None else time.monotonic() + timeout)
     finally:
         _stop_all(running)
         for relay in relays:
@@ -127,17 +134,18 @@ def _start(command: LaunchCommand) -> Running:
     return Running(command=command, process=process)
 
 
-def _relay(run: Running) -> None:
+def _relay(run: Running, echo: bool) -> None:
     assert run.process.stdout is not None
     prefix = f"[{run.command.host}] "
     for raw in iter(run.process.stdout.readline, b""):
         line = raw.decode(errors="replace").rstrip("\r\n").replace("\r", "")
         run.tail.append(line)
-        sys.stdout.write(prefix + line + "\n")
-        sys.stdout.flush()
+        if echo:
+            sys.stdout.write(prefix + line + "\n")
+            sys.stdout.flush()
 
 
-def _wait(running: list[Running], stop: list[int]) -> Failure | None:
+def _wait(running: list[Running], stop: list[int], deadline: float | None) -> Failure | None:
     while not stop:
         states = [(r, r.process.poll()) for r in running]
         for run, code in states:
@@ -146,6 +154,9 @@ def _wait(running: list[Running], stop: list[int]) -> Failure | None:
                 return Failure(host=run.command.host, exit_code=code, tail=list(run.tail))
         if all(code == 0 for _, code in states):
             return None
+        if deadline is not None and time.monotonic() > deadline:
+            late = next(run for run, code in states if code is None)
+            return Failure(host=late.command.host, exit_code=TIMED_OUT, tail=[*late.tail, "(timed out)"])
         time.sleep(0.1)
     return None
 

@@ -2,22 +2,43 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.request import SSHOptions
 
+_PASSWORD_WANTED = re.compile(
+    r"Permission denied \((?=[^)]*publickey)(?=[^)]*(password|keyboard-interactive))"
+)
 _DIAGNOSES = (
-    ("Permission denied", "the host refused the key: it wants a password or does not list this key",
-     "set up passwordless ssh (ssh-copy-id HOST; ~/.ssh must be 700 and authorized_keys 600 on the host)"),
+    ("Permission denied (publickey)",
+     "the host refused the key: its ~/.ssh/authorized_keys lacks this machine's public key, or sshd "
+     "ignores the file because ~/.ssh is not 700 or authorized_keys not 600 (StrictModes)",
+     "ssh-copy-id {host}; then on {host}: chmod 700 ~/.ssh && chmod 600 ~/.ssh/authorized_keys"),
     ("Host key verification failed", "the host's key is unknown or changed",
-     "connect once by hand (ssh HOST) to accept its key, or fix ~/.ssh/known_hosts"),
+     "connect once by hand (ssh {host}) to accept its key, or fix ~/.ssh/known_hosts"),
     ("Could not resolve hostname", "the name does not resolve", "check the hostfile, /etc/hosts or DNS"),
     ("timed out", "nothing answered on the ssh port", "check the address, the firewall and --ssh-port"),
     ("Connection refused", "no ssh server listens on that port", "start sshd, or pass --ssh-port"),
     ("No route to host", "the network cannot reach the host", "check the address and the network"),
 )  # fmt: skip
+
+
+def diagnose(host: str, stderr: str, returncode: int) -> tuple[str, str]:
+    """Why an ssh command (BatchMode) failed and what to do: ``(why, fix)``."""
+    lines = stderr.strip().splitlines()
+    message = lines[-1] if lines else f"ssh exited {returncode}"
+    if _PASSWORD_WANTED.search(stderr):
+        return (
+            f"the host asks for a password: this machine's key is not accepted ({message})",
+            f"ssh-copy-id {host} (after ssh-keygen -t ed25519 if you have no key), so that logins need none",
+        )
+    for needle, why, fix in _DIAGNOSES:
+        if needle in stderr:
+            return f"{why} ({message})", fix.format(host=host)
+    return message, "run the same ssh command by hand to see why"
 
 
 def check_hosts(hosts: list[str], ssh: SSHOptions) -> None:
@@ -49,10 +70,5 @@ def _probe(host: str, ssh: SSHOptions) -> str | None:
         return f"no answer within {ssh.connect_timeout + 10} s"
     if result.returncode == 0:
         return None
-    message = (
-        result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"ssh exited {result.returncode}"
-    )
-    for needle, why, fix in _DIAGNOSES:
-        if needle in result.stderr:
-            return f"{why} ({message}); fix: {fix}"
-    return message
+    why, fix = diagnose(host, result.stderr, result.returncode)
+    return f"{why}; fix: {fix}"

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -89,16 +90,24 @@ _HOROVOD_EXIT = re.compile(
 _MPI_EXIT = re.compile(r"Process name:\s*\[\[\d+,\d+\],(?P<rank>\d+)\]\s*\n\s*Exit code:\s*(?P<what>-?\d+)")
 
 
+def print_line(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def supervise(
-    commands: list[LaunchCommand], *, echo: bool = True, timeout: float | None = None
+    commands: list[LaunchCommand],
+    *,
+    output: Callable[[str], None] = print_line,
+    timeout: float | None = None,
 ) -> tuple[int, Failure | None]:
     """Run all commands; returns (exit status, the first failure or None).
 
-    ``echo=False`` keeps the output to the failure report instead of relaying it; after ``timeout``
-    seconds every command is stopped and the job fails with exit status 124, as timeout(1) does.
+    Every output line goes to ``output``, prefixed with its host. After ``timeout`` seconds every
+    command is stopped and the job fails with exit status 124, as timeout(1) does.
     """
     running = [_start(c) for c in commands]
-    relays = [threading.Thread(target=_relay, args=(r, echo), daemon=True) for r in running]
+    relays = [threading.Thread(target=_relay, args=(r, output), daemon=True) for r in running]
     for relay in relays:
         relay.start()
     stop: list[int] = []
@@ -134,15 +143,13 @@ def _start(command: LaunchCommand) -> Running:
     return Running(command=command, process=process)
 
 
-def _relay(run: Running, echo: bool) -> None:
+def _relay(run: Running, output: Callable[[str], None]) -> None:
     assert run.process.stdout is not None
     prefix = f"[{run.command.host}] "
     for raw in iter(run.process.stdout.readline, b""):
         line = raw.decode(errors="replace").rstrip("\r\n").replace("\r", "")
         run.tail.append(line)
-        if echo:
-            sys.stdout.write(prefix + line + "\n")
-            sys.stdout.flush()
+        output(prefix + line)
 
 
 def _wait(running: list[Running], stop: list[int], deadline: float | None) -> Failure | None:

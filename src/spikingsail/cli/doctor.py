@@ -1,0 +1,120 @@
+"""``sail doctor``: this machine's set-up, or (``-H``) every node's and what they must agree on.
+
+Every finding has a status (ok / warn / fail) and a one-line fix; the exit status is 1 when
+anything fails. The last check is a real all-reduce started the way `sail launch` starts a job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+from spikingsail.diagnostics.collect import run_here
+from spikingsail.diagnostics.findings import Finding, Report, Status, fail, ok, use_color
+from spikingsail.diagnostics.machine import machine_findings
+
+if TYPE_CHECKING:
+    from spikingsail.launchers.request import LaunchRequest
+
+ALLREDUCE = "spikingsail.diagnostics.allreduce"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sail doctor",
+        description="Check this machine, or with -H every node of a hostfile, for the set-up mistakes "
+        "that make distributed jobs fail or hang. Other flags are `sail launch`'s (-n, -H, --ssh-port, "
+        "--ssh-config, --launcher pdsh, --master-port, --include, ...) and mean the same.",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto", help="colour the table")
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds for each node's checks and for the all-reduce"
+    )
+    return p
+
+
+def run(argv: list[str]) -> int:
+    args, launch_flags = parser().parse_known_args(argv)
+    report = Report()
+    here = run_here([], args.timeout)
+    if here.facts is None:
+        report.findings.append(fail("python", here.why, here.fix))
+    elif "-H" in launch_flags or any(a.startswith("--hostfile") for a in launch_flags):
+        _nodes(launch_flags, here.facts, report, args.timeout)
+    else:
+        _here(launch_flags, here.facts, report, args.timeout)
+    if args.json:
+        print(report.to_json())
+    else:
+        report.render(sys.stdout, use_color(sys.stdout, args.color))
+    return 1 if report.failed else 0
+
+
+def _here(launch_flags: list[str], facts: dict[str, Any], report: Report, timeout: float) -> None:
+    report.facts["this machine"] = facts
+    torch_broken = bool(facts["torch"].get("error"))
+    nproc = 2
+    if not torch_broken:
+        from spikingsail.launchers.request import parse_request
+
+        request = parse_request([*_default_nproc(launch_flags), "-m", ALLREDUCE])
+        nproc = int(request.nproc_per_node) if request.nproc_per_node.isdigit() else 1
+    report.findings += machine_findings(facts, report, nproc=nproc)
+    if torch_broken:
+        report.findings.append(fail("process group", "not tried: torch does not import", "fix torch first"))
+    else:
+        report.findings.append(_allreduce(request, timeout))
+
+
+def _nodes(launch_flags: list[str], here: dict[str, Any], report: Report, timeout: float) -> None:
+    from spikingsail.diagnostics.nodes import node_report, probe_nodes
+    from spikingsail.launchers.request import parse_request
+
+    request = parse_request([*launch_flags, "-m", ALLREDUCE])
+    results = probe_nodes(request, timeout)
+    node_report(request, here, results, report)
+    blocking = {"ssh", "probe", "torch", "rendezvous port", "python"}
+    if any(f.status is Status.FAIL and f.check in blocking for f in report.findings):
+        report.findings.append(
+            fail(
+                "all-reduce",
+                "not tried: a node cannot run the job (see above)",
+                "fix the failures above first",
+            )
+        )
+    else:
+        report.findings.append(_allreduce(request, timeout))
+
+
+def _default_nproc(launch_flags: list[str]) -> list[str]:
+    """A process group needs two processes: -n 2 unless the flags say otherwise."""
+    given = any(a.split("=")[0] in ("-n", "--nproc-per-node", "--nproc_per_node") or a.startswith("-n")
+                for a in launch_flags)  # fmt: skip
+    return launch_flags if given else ["-n", "2", *launch_flags]
+
+
+def _allreduce(request: LaunchRequest, timeout: float) -> Finding:
+    from spikingsail.diagnostics.allreduce import MARKER
+    from spikingsail.launchers import plan
+    from spikingsail.launchers.supervisor import supervise
+
+    lines: list[str] = []
+    status, failure = supervise(plan(request), output=lines.append, timeout=timeout)
+    found = [line.split(MARKER, 1)[1] for line in lines if MARKER in line]
+    if status == 0 and found:
+        result = json.loads(found[-1])
+        hosts = sorted(set(result["hosts"]))
+        return ok(
+            "all-reduce",
+            f"{result['world_size']} processes on {', '.join(hosts)} formed a {result['backend']} group "
+            f"through {request.launcher} and all-reduced 1 MiB correctly ({result['seconds']:.1f} s)",
+        )
+    detail = failure.describe() if failure else f"the job exited {status} without a result"
+    return fail(
+        "all-reduce",
+        f"through {request.launcher}: {detail}",
+        "read the output above; across nodes check GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME and firewalls",
+    )

@@ -1,0 +1,194 @@
+"""``sail doctor -H``: probe every node at once, then check what the nodes must agree on.
+
+Every node is reached the way `sail launch` reaches it (ssh in BatchMode, the same options, Python,
+working directory and shipped environment). The first node also holds the rendezvous port open
+while the other nodes try to connect to it, so "free" and "reachable" are measured, not guessed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from spikingsail.diagnostics.collect import ProbeResult, run_on
+from spikingsail.diagnostics.findings import Finding, Report, Status, fail, ok, warn
+from spikingsail.diagnostics.machine import machine_findings
+from spikingsail.launchers.hostfile import Node
+from spikingsail.launchers.remote_env import remote_env
+from spikingsail.launchers.request import LaunchRequest
+
+Facts = dict[str, Any]
+CLOCK_WARN_SECONDS = 2.0
+# Differences that break a job (a mismatch in these fails), and those that only may.
+_MUST_MATCH = ("Python", "torch", "CUDA", "NCCL", "spikingsail")
+_VERSIONS: dict[str, Callable[[Facts], Any]] = {
+    "Python": lambda f: f["python"]["version"],
+    "torch": lambda f: f["torch"].get("version") or f["packages"].get("torch"),
+    "CUDA": lambda f: f["torch"].get("cuda"),
+    "cuDNN": lambda f: f["torch"].get("cudnn"),
+    "NCCL": lambda f: f["torch"].get("nccl"),
+    "spikingsail": lambda f: f["packages"].get("spikingsail"),
+    "numpy": lambda f: f["packages"].get("numpy"),
+    "deepspeed": lambda f: f["packages"].get("deepspeed"),
+    "horovod": lambda f: f["packages"].get("horovod"),
+    "mpi4py": lambda f: f["packages"].get("mpi4py"),
+    "spikingjelly": lambda f: f["packages"].get("spikingjelly"),
+}
+
+
+def rendezvous(request: LaunchRequest) -> tuple[str, int]:
+    assert request.nodes, "sail doctor -H parses hosts before probing them"
+    if request.rdzv_endpoint:
+        host, _, port = request.rdzv_endpoint.rpartition(":")
+        return host, int(port or request.master_port)
+    return request.nodes[0].host, request.master_port
+
+
+def probe_nodes(request: LaunchRequest, timeout: float) -> list[ProbeResult]:
+    """Every node in parallel; the first holds the rendezvous port while the others connect."""
+    assert request.nodes, "sail doctor -H parses hosts before probing them"
+    host, port = rendezvous(request)
+    others = len(request.nodes) - 1
+    wait = min(timeout / 2, 20.0)
+    env = remote_env(request.env)
+
+    def probe(index: int) -> ProbeResult:
+        node = request.nodes[index]  # type: ignore[index]
+        if index == 0:
+            args = ["--port", str(port), "--expect", str(others), "--listen-seconds", str(wait + 5)]
+        else:
+            args = ["--connect", f"{host}:{port}", "--connect-seconds", str(wait)]
+        return run_on(node.host, request.ssh, env, args, timeout)
+
+    with ThreadPoolExecutor(max_workers=min(32, len(request.nodes))) as pool:
+        return list(pool.map(probe, range(len(request.nodes))))
+
+
+def node_report(request: LaunchRequest, here: Facts, results: list[ProbeResult], report: Report) -> None:
+    assert request.nodes, "sail doctor -H parses hosts before probing them"
+    nodes = {n.host: n for n in request.nodes}
+    reached = [r for r in results if r.facts is not None]
+    for result in results:
+        report.findings += _reach(result, nodes[result.host])
+    if not reached:
+        return
+    facts = {r.host: r.facts for r in reached if r.facts is not None}
+    report.facts.update({"this machine": here, **facts})
+    report.findings += _versions(here, facts, report)
+    report.findings += [_slots(nodes[h], f) for h, f in facts.items()]
+    report.findings.append(_precision(facts))
+    report.findings += _port(request, results)
+    report.findings += [_clock(r) for r in reached]
+
+
+def _reach(result: ProbeResult, node: Node) -> list[Finding]:
+    if result.facts is None:
+        check = "ssh" if result.ssh_failed else "probe"
+        return [Finding(check=check, status=Status.FAIL, detail=result.why, fix=result.fix, host=result.host)]
+    # the launching machine's DeepSpeed op table is shown; the nodes' versions are compared instead
+    local = machine_findings(result.facts, Report(), host=result.host, nproc=node.nproc)
+    problems = [f for f in local if f.status is not Status.OK]
+    return [ok("ssh", "BatchMode login works; the probe ran", result.host), *problems]
+
+
+def _versions(here: Facts, facts: dict[str, Facts], report: Report) -> list[Finding]:
+    rows, found = [], []
+    for name, read in _VERSIONS.items():
+        mine = str(read(here))
+        theirs = {host: str(read(f)) for host, f in facts.items()}
+        differ = [h for h, v in theirs.items() if v != mine]
+        if not differ:
+            continue
+        rows.append([name, mine, *theirs.values()])
+        status = fail if name in _MUST_MATCH else warn
+        for host in differ:
+            found.append(status("versions", f"{name} {theirs[host]} on {host}, {mine} on this machine",
+                                f"install {name} {mine} on {host} (one image or requirements file for all nodes)",
+                                host))  # fmt: skip
+    if rows:
+        report.tables["Versions that differ between nodes"] = [["", "this machine", *facts], *rows]
+        return found
+    return [ok("versions", f"{', '.join(_VERSIONS)}: the same on all {len(facts)} node(s) and this machine")]
+
+
+def _slots(node: Node, facts: Facts) -> Finding:
+    torch = facts["torch"]
+    if torch.get("cuda") or torch.get("hip") or facts["driver"].get("gpus"):
+        gpus = len(torch.get("gpus") or [])
+        if gpus < node.nproc:
+            return fail("slots", f"{node.nproc} process(es) but {gpus} GPU(s) visible",
+                        f"give {node.host} slots={gpus} in the hostfile (or --num_gpus {gpus})", node.host)  # fmt: skip
+        return ok("slots", f"{node.nproc} process(es), {gpus} GPU(s)", node.host)
+    cores = facts["cpus"]["usable"]
+    if cores < node.nproc:
+        return warn("slots", f"{node.nproc} process(es) but {cores} usable CPU core(s) and no GPU: the "
+                    "processes share cores and every step waits for the slowest",
+                    f"give {node.host} slots={cores} in the hostfile (or --nproc-per-node {cores})", node.host)  # fmt: skip
+    return ok("slots", f"{node.nproc} process(es), {cores} CPU core(s), no GPU", node.host)
+
+
+def _precision(facts: dict[str, Facts]) -> Finding:
+    no_bf16 = {
+        host: ", ".join(
+            f"{g['name']} (compute {g['capability']})" for g in f["torch"]["gpus"] if not g["bf16"]
+        )
+        for host, f in facts.items()
+        if any(not g["bf16"] for g in f["torch"].get("gpus") or [])
+    }
+    if no_bf16:
+        which = "; ".join(f"{h}: {gpus}" for h, gpus in no_bf16.items())
+        return warn("precision", f"bf16 is not supported on {which}",
+                    'use "fp16": {"enabled": true} for the whole job, not bf16')  # fmt: skip
+    if any(f["torch"].get("gpus") for f in facts.values()):
+        return ok("precision", "every GPU supports bf16 and fp16: bf16 needs no loss scaling")
+    return ok("precision", "CPU nodes: fp32, or bf16/fp16 autocast (slower than fp32 on most CPUs)")
+
+
+def _port(request: LaunchRequest, results: list[ProbeResult]) -> list[Finding]:
+    host, port = rendezvous(request)
+    first = results[0]
+    out: list[Finding] = []
+    if first.facts is not None and first.facts.get("port"):
+        state = first.facts["port"]
+        if state["free"]:
+            out.append(ok("rendezvous port", f"{port} is free on {first.host}", first.host))
+        else:
+            out.append(fail("rendezvous port", f"{port} on {first.host} cannot be bound ({state['error']}): "
+                            "another process holds it",
+                            f"stop it (ss -ltnp 'sport = :{port}' shows which) or pass --master-port "
+                            "with a free port", first.host))  # fmt: skip
+    for result in results[1:]:
+        if result.facts is not None and result.facts.get("connect"):
+            out.append(_reachable(result.host, host, port, result.facts["connect"], request))
+    return out
+
+
+def _reachable(node: str, host: str, port: int, state: Facts, request: LaunchRequest) -> Finding:
+    where = f"{host}:{port}"
+    if state["ok"]:
+        address = state["address"]
+        if address.startswith("127.") and request.nodes and node != request.nodes[0].host:
+            return fail("rendezvous port", f"{node} resolves {host} to {address}, its own loopback",
+                        f"map {host} to its network address in /etc/hosts on {node}", node)  # fmt: skip
+        return ok("rendezvous port", f"{where} ({address}) is reachable", node)
+    reasons = {
+        "unresolved": (f"{host} does not resolve on {node}", f"add {host} to /etc/hosts or DNS on {node}"),
+        "timeout": (f"{where} does not answer from {node}: a firewall drops the packets",
+                    f"open TCP port {port} on {host} to the other nodes (iptables/firewalld/security group)"),
+        "ECONNREFUSED": (f"{where} refuses connections from {node}: a firewall rejects them, or "
+                         f"{host} listens on another interface",
+                         f"open TCP port {port} on {host} to the other nodes"),
+    }  # fmt: skip
+    why, fix = reasons.get(state["error"], (f"{where} is not reachable from {node} ({state['error']})",
+                                            "check the network between the nodes"))  # fmt: skip
+    return fail("rendezvous port", why, fix, node)
+
+
+def _clock(result: ProbeResult) -> Finding:
+    assert result.facts is not None
+    skew = result.facts["time"] - result.received
+    if abs(skew) > CLOCK_WARN_SECONDS:
+        return warn("clock", f"{skew:+.1f} s from this machine's clock: logs and timeouts disagree across nodes",
+                    "synchronise clocks with NTP (chrony or systemd-timesyncd) on every node", result.host)  # fmt: skip
+    return ok("clock", f"within {CLOCK_WARN_SECONDS:.0f} s of this machine ({skew:+.2f} s)", result.host)

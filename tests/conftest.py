@@ -1,13 +1,18 @@
-"""Hygiene for every test: no leaked environment variables, no process group left behind."""
+"""Hygiene for every test (no leaked environment variables, no process group left behind), and the
+session's two-node test cluster for the tests that ask for it."""
 
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
+from tests.cluster.harness import NamespaceCluster
 
 # Set by others once per process: pytest's marker, torch's inductor cache path (exported the first
 # time an optimizer step consults it) and OpenMP switches scikit-learn exports when imported.
@@ -40,3 +45,22 @@ def _clean_process_state() -> Iterator[None]:
         dist.destroy_process_group()
     assert not leaked, f"test changed environment variables: {sorted(leaked)}"
     assert not group_left, "test left a torch.distributed process group initialised"
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[NamespaceCluster]:
+    """The two-node test cluster (tests/cluster/harness.py), built once per test session."""
+    workdir = Path(tempfile.mkdtemp(prefix="sail-cluster-"))
+    test_cluster = NamespaceCluster(workdir)
+    try:
+        test_cluster.start()
+        yield test_cluster
+    finally:
+        test_cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm(cluster: NamespaceCluster) -> NamespaceCluster:
+    """The same two nodes with munge, slurmctld (node1) and a slurmd on each node."""
+    cluster.start_slurm()
+    return cluster

@@ -61,9 +61,13 @@ class NamespaceCluster:
 
     # -- running things on a node ----------------------------------------------------------------
 
-    def node_argv(self, name: str, argv: list[str]) -> list[str]:
-        """argv that runs ``argv`` inside node ``name`` (its network, hostname and /etc/hosts)."""
-        setup = f'hostname {name} && mount --bind {self.hosts_file} /etc/hosts && exec "$@"'
+    def node_argv(self, name: str, argv: list[str], prelude: str = "") -> list[str]:
+        """argv that runs ``argv`` inside node ``name`` (its network, hostname and /etc/hosts).
+
+        ``prelude`` is shell run first inside the node's own mount namespace: what it mounts (a small
+        /dev/shm, another file over an installed one) is what the node's processes see, and nothing else.
+        """
+        setup = f'hostname {name} && mount --bind {self.hosts_file} /etc/hosts && {prelude or "true"} && exec "$@"'
         return ["nsenter", f"--net=/run/netns/{self.netns[name]}", "unshare", "--uts", "--mount",
                 "sh", "-c", setup, "sh", *argv]  # fmt: skip
 
@@ -97,7 +101,19 @@ class NamespaceCluster:
 
     # -- sshd --------------------------------------------------------------------------------------
 
-    def start_sshd(self, name: str, authorized_keys: Path | None = None, strict_modes: bool = False) -> None:
+    def start_sshd(
+        self,
+        name: str,
+        authorized_keys: Path | None = None,
+        strict_modes: bool = False,
+        password: bool = False,
+        prelude: str = "",
+    ) -> None:
+        """(Re)start the node's sshd; every login inherits its mount namespace and CPU affinity.
+
+        ``password`` offers password logins besides keys; ``prelude`` (see ``node_argv``) changes
+        the node as its processes see it.
+        """
         node_dir = self.workdir / name
         node_dir.mkdir(exist_ok=True)
         pid_file = node_dir / "sshd.pid"
@@ -115,9 +131,9 @@ class NamespaceCluster:
                     f"HostKey {self.workdir / 'host_ed25519'}",
                     f"PidFile {pid_file}",
                     f"AuthorizedKeysFile {authorized_keys or self.workdir / 'authorized_keys'}",
-                    "PermitRootLogin prohibit-password",
-                    "PasswordAuthentication no",
-                    "KbdInteractiveAuthentication no",
+                    f"PermitRootLogin {'yes' if password else 'prohibit-password'}",
+                    f"PasswordAuthentication {'yes' if password else 'no'}",
+                    f"KbdInteractiveAuthentication {'yes' if password else 'no'}",
                     "UsePAM no",
                     f"StrictModes {'yes' if strict_modes else 'no'}",
                     "",
@@ -125,8 +141,14 @@ class NamespaceCluster:
             )
         )
         Path("/run/sshd").mkdir(exist_ok=True)
-        result = self.run(
-            name, ["/usr/sbin/sshd", "-f", str(config), "-E", str(node_dir / "sshd.log")], timeout=30
+        result = subprocess.run(
+            self.node_argv(
+                name, ["/usr/sbin/sshd", "-f", str(config), "-E", str(node_dir / "sshd.log")], prelude
+            ),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
         )
         if result.returncode != 0:
             raise RuntimeError(f"sshd on {name} did not start: {result.stderr}")

@@ -6,9 +6,11 @@ SpikingSail — and a node with another version, or with none, is reported inste
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,32 +50,51 @@ def run_on(host: str, ssh: SSHOptions, env: dict[str, str], args: list[str], tim
 
 
 def _run(host: str, argv: list[str], timeout: float, ssh: bool) -> ProbeResult:
+    process = subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert process.stdin and process.stdout and process.stderr, "all three are pipes"
+    stdin, stdout, stderr = process.stdin, process.stdout, process.stderr
+    timer = threading.Timer(timeout, process.kill)
+    timer.start()
+    errors: list[str] = []
+    reader = threading.Thread(target=lambda: errors.extend(stderr), daemon=True)
+    reader.start()
+    facts, received = None, 0.0
     try:
-        result = subprocess.run(
-            argv, input=PROBE.read_text(), capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):  # the node closed stdin early (ssh failed before reading it)
+            stdin.write(PROBE.read_text())
+            stdin.close()
+        for line in stdout:
+            if line.startswith(MARKER):
+                # stamped now, not when the node's interpreter has finished shutting down
+                facts, received = json.loads(line[len(MARKER) :]), time.time()
+        returncode = process.wait()
+        reader.join()
+    finally:
+        timed_out = not timer.is_alive() and facts is None
+        timer.cancel()
+    if facts is not None:
+        return ProbeResult(host=host, facts=facts, received=received)
+    if timed_out:
         return ProbeResult(
             host=host,
             facts=None,
             why=f"no answer within {timeout:.0f} s",
             fix="check that the node is up and not overloaded; raise --timeout for slow file systems",
         )
-    received = time.time()
-    for line in reversed(result.stdout.splitlines()):
-        if line.startswith(MARKER):
-            return ProbeResult(host=host, facts=json.loads(line[len(MARKER) :]), received=received)
-    if ssh and result.returncode == _SSH_FAILED:
+    text = "".join(errors)
+    if ssh and returncode == _SSH_FAILED:
         from spikingsail.launchers.preflight import diagnose
 
-        why, fix = diagnose(host, result.stderr, result.returncode)
+        why, fix = diagnose(host, text, returncode)
         return ProbeResult(host=host, facts=None, why=why, fix=fix, ssh_failed=True)
-    why, fix = _why_no_probe(host, result)
+    why, fix = _why_no_probe(host, text, returncode)
     return ProbeResult(host=host, facts=None, why=why, fix=fix)
 
 
-def _why_no_probe(host: str, result: subprocess.CompletedProcess[str]) -> tuple[str, str]:
-    err = result.stderr.strip()
+def _why_no_probe(host: str, stderr: str, returncode: int) -> tuple[str, str]:
+    err = stderr.strip()
     if sys.executable in err and "No such file" in err:
         return (f"{sys.executable} does not exist on {host}",
                 "install the same Python environment at the same path on every node "
@@ -81,5 +102,5 @@ def _why_no_probe(host: str, result: subprocess.CompletedProcess[str]) -> tuple[
     if "cd" in err and ("can't cd" in err or "No such file" in err):
         return (f"the working directory does not exist on {host} ({err.splitlines()[-1]})",
                 "run from a directory every node has (a shared file system), as for sail launch")  # fmt: skip
-    tail = err.splitlines()[-1] if err else f"exit status {result.returncode}"
+    tail = err.splitlines()[-1] if err else f"exit status {returncode}"
     return f"the probe failed on {host}: {tail}", "run it by hand to see the whole error"

@@ -167,9 +167,9 @@ def _extensions(facts: Facts, host: str) -> list[Finding]:
     include = str(Path(torch["path"]) / "include") if torch.get("path") else None
     out = []
     for entry in ext["entries"]:
-        problem = _stale(entry, torch, include)
-        if problem:
-            status = fail if entry["tag"] in (None, torch.get("ext_tag")) else warn
+        judged = _stale(entry, torch, include)
+        if judged:
+            status, problem = judged
             out.append(status("torch extensions", f"{entry['path']}: {problem}",
                               f"rm -rf {entry['path']} (rebuilt on next use)", host))  # fmt: skip
     if not out:
@@ -178,18 +178,21 @@ def _extensions(facts: Facts, host: str) -> list[Finding]:
     return out
 
 
-def _stale(entry: Facts, torch: Facts, include: str | None) -> str:
+def _stale(entry: Facts, torch: Facts, include: str | None) -> tuple[Callable[..., Finding], str] | None:
+    """Whether a cached build is stale: broken for this torch (fail), or unused or suspect (warn)."""
     if entry["tag"] is not None and entry["tag"] != torch.get("ext_tag"):
-        return f"built for {entry['tag']}, not for this Python and torch ({torch.get('ext_tag')}): never used here"
-    if entry["load_errors"]:
         return (
-            f"does not load ({next(iter(entry['load_errors'].values()))[-200:]}): built against another torch"
+            warn,
+            f"built for {entry['tag']}, not for this Python and torch ({torch.get('ext_tag')}): never used here",
         )
+    if entry["load_errors"]:
+        error = next(iter(entry["load_errors"].values()))[-200:]
+        return fail, f"does not load ({error}): built against another torch"
     if include and entry["torch_include"] and entry["torch_include"] != include:
-        return f"built against the torch at {entry['torch_include']}, not this one ({include})"
+        return fail, f"built against the torch at {entry['torch_include']}, not this one ({include})"
     if entry["built"] and torch.get("installed_at") and entry["built"] < torch["installed_at"]:
-        return "built before this torch was installed"
-    return ""
+        return warn, "built before this torch was installed: it may not load, or load with another ABI"
+    return None
 
 
 def _backends(facts: Facts, host: str) -> list[Finding]:

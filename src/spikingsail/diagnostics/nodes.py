@@ -19,7 +19,7 @@ from spikingsail.launchers.remote_env import remote_env
 from spikingsail.launchers.request import LaunchRequest
 
 Facts = dict[str, Any]
-CLOCK_WARN_SECONDS = 2.0
+CLOCK_WARN_SECONDS = 1.0
 # Differences that break a job (a mismatch in these fails), and those that only may.
 _MUST_MATCH = ("Python", "torch", "CUDA", "NCCL", "spikingsail")
 _VERSIONS: dict[str, Callable[[Facts], Any]] = {
@@ -50,7 +50,7 @@ def probe_nodes(request: LaunchRequest, timeout: float) -> list[ProbeResult]:
     assert request.nodes, "sail doctor -H parses hosts before probing them"
     host, port = rendezvous(request)
     others = len(request.nodes) - 1
-    wait = min(timeout / 2, 20.0)
+    wait = min(timeout / 4, 10.0)  # peers reach a free port at once; a firewall makes them wait it out
     env = remote_env(request.env)
 
     def probe(index: int) -> ProbeResult:

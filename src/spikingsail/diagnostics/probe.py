@@ -76,7 +76,7 @@ def torch_facts() -> Facts:
         "version": torch.__version__,
         "cuda": cuda,
         "hip": hip,
-        "path": str(Path(torch.__file__).parent),
+        "path": str(Path(torch.__file__).resolve().parent),
         "installed_at": Path(torch.__file__).with_name("version.py").stat().st_mtime,
         "ext_tag": f"py{sys.version_info[0]}{sys.version_info[1]}{getattr(sys, 'abiflags', '')}_"
         + (f"rocm{hip.replace('.', '')}" if hip else f"cu{cuda.replace('.', '')}" if cuda else "cpu"),
@@ -179,7 +179,7 @@ def _extension(directory: Path, tag: str | None) -> Facts:
     include = None
     if ninja.is_file():
         found = re.search(r"-isystem\s+(\S+/torch/include)\b", ninja.read_text(errors="replace"))
-        include = found.group(1) if found else None
+        include = os.path.realpath(found.group(1)) if found else None
     libraries = sorted(str(p) for p in directory.glob("*.so"))
     built = max((Path(p).stat().st_mtime for p in libraries), default=None)
     return {"path": str(directory), "name": directory.name, "tag": tag, "torch_include": include,

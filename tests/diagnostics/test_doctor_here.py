@@ -1,0 +1,170 @@
+"""`sail doctor` on this machine: the real probe, real broken set-ups, a real 2-process all-reduce."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from spikingsail.diagnostics.collect import run_here
+from spikingsail.diagnostics.findings import Report, Status
+from spikingsail.diagnostics.machine import machine_findings
+
+DOCTOR = [sys.executable, "-m", "spikingsail.cli.main", "doctor"]
+
+
+def sail_doctor(
+    *flags: str, env: dict[str, str] | None = None, shell: str = ""
+) -> tuple[int, dict[str, Any]]:
+    argv = [*DOCTOR, "--json", *flags]
+    if shell:  # e.g. a ulimit applied to the doctor and everything it starts
+        argv = ["bash", "-c", f'{shell} && exec "$@"', "bash", *argv]
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert result.stdout.strip(), result.stderr[-3000:]
+    return result.returncode, json.loads(result.stdout)
+
+
+def by_check(report: dict[str, Any], check: str) -> list[dict[str, Any]]:
+    return [f for f in report["findings"] if f["check"] == check]
+
+
+def judged(**env: str) -> list[Any]:
+    """The probe run for real in a child with ``env`` added, and its facts judged."""
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        result = run_here([], timeout=120)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert result.facts is not None, result.why
+    return machine_findings(result.facts, Report())
+
+
+@pytest.mark.multiprocess
+def test_a_healthy_machine_passes_with_a_real_all_reduce() -> None:
+    code, report = sail_doctor()
+    assert code == 0, [f for f in report["findings"] if f["status"] != "ok"]
+    facts = report["facts"]["this machine"]
+    assert facts["python"]["executable"] == sys.executable
+    assert facts["torch"]["version"] == torch.__version__
+    (allreduce,) = by_check(report, "all-reduce")
+    assert allreduce["status"] == "ok" and allreduce["detail"].startswith("2 processes on ")
+    assert "gloo group through local" in allreduce["detail"]
+    from deepspeed.ops.op_builder.all_ops import ALL_OPS
+
+    (ops,) = [rows for title, rows in report["tables"].items() if title.startswith("DeepSpeed ops")]
+    assert ops[0] == ["op name", "installed", "compatible"]
+    assert [row[0] for row in ops[1:]] == list(ALL_OPS)
+    for check in (
+        "torch",
+        "deepspeed",
+        "horovod",
+        "mpi4py",
+        "spikingjelly",
+        "/dev/shm",
+        "open files",
+        "network",
+    ):
+        assert by_check(report, check)[0]["status"] == "ok", check
+    assert "controllers mpi, gloo" in by_check(report, "horovod")[0]["detail"]
+
+
+@pytest.mark.multiprocess
+def test_a_torch_that_does_not_import_is_a_finding_not_a_crash(tmp_path: Path) -> None:
+    # Another libc10.so found first through LD_LIBRARY_PATH: torch fails with "undefined symbol",
+    # as with seed 004's libcublas. The doctor itself must not need torch to say so.
+    (tmp_path / "other.c").write_text("int other_build(void) { return 0; }\n")
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "libc10.so"), str(tmp_path / "other.c")], check=True
+    )
+    code, report = sail_doctor(env={**os.environ, "LD_LIBRARY_PATH": str(tmp_path)})
+    assert code == 1
+    (broken,) = by_check(report, "torch")
+    assert broken["status"] == "fail"
+    assert "undefined symbol" in broken["detail"] and f"LD_LIBRARY_PATH={tmp_path}" in broken["detail"]
+    assert broken["fix"].startswith("unset LD_LIBRARY_PATH")
+    assert by_check(report, "process group")[0]["detail"].startswith("not tried")
+
+
+@pytest.mark.multiprocess
+def test_a_low_open_files_limit() -> None:
+    code, report = sail_doctor(shell="ulimit -n 512")
+    (limit,) = by_check(report, "open files")
+    assert limit["status"] == "warn" and limit["detail"].startswith("ulimit -n is 512")
+    assert "ulimit -n" in limit["fix"]
+    assert code == 0
+
+
+def test_an_extension_cache_built_for_another_python_and_cuda(tmp_path: Path) -> None:
+    # Seed 000's container (Python 3.6, CUDA 10.1) left its ops in the shared cache.
+    old = tmp_path / "torch_extensions" / "py36_cu101" / "fused_adam"
+    old.mkdir(parents=True)
+    (old / "fused_adam.so").write_bytes(b"\x7fELF")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        result = run_here([], timeout=120)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert result.facts is not None
+    found = [f for f in machine_findings(result.facts, Report()) if f.check == "torch extensions"]
+    assert [(f.status, f.fix) for f in found] == [(Status.WARN, f"rm -rf {old} (rebuilt on next use)")]
+    assert "built for py36_cu101, not for this Python and torch (py311_cpu)" in found[0].detail
+
+
+def test_an_extension_built_before_this_torch(tmp_path: Path) -> None:
+    built = tmp_path / "cpu_adam"
+    built.mkdir()
+    (built / "build.ninja").write_text(f"cflags = -isystem {Path(torch.__file__).parent / 'include'} -fPIC\n")
+    (built / "lib.c").write_text("int cpu_adam(void) { return 0; }\n")
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-o", str(built / "cpu_adam.so"), str(built / "lib.c")], check=True
+    )
+    os.utime(built / "cpu_adam.so", (1_000_000_000, 1_000_000_000))  # 2001: older than this torch
+    found = [f for f in judged(TORCH_EXTENSIONS_DIR=str(tmp_path)) if f.check == "torch extensions"]
+    assert [(f.status, f.detail) for f in found] == [
+        (
+            Status.WARN,
+            f"{built}: built before this torch was installed: it may not load, or load with another ABI",
+        )
+    ]
+
+
+def test_loose_ssh_files_and_an_unprotected_key(tmp_path: Path) -> None:
+    ssh = tmp_path / ".ssh"
+    ssh.mkdir(mode=0o755)
+    ssh.chmod(0o755)
+    (ssh / "authorized_keys").write_text("")
+    (ssh / "authorized_keys").chmod(0o666)
+    (ssh / "id_ed25519").write_text("")
+    (ssh / "id_ed25519").chmod(0o644)
+    tmp_path.chmod(0o755)
+    found = [f for f in judged(HOME=str(tmp_path)) if f.check == "ssh permissions"]
+    assert [(f.status, f.fix) for f in found] == [
+        (Status.WARN, f"chmod 700 {ssh}"),
+        (Status.WARN, f"chmod 600 {ssh / 'authorized_keys'}"),
+        (Status.FAIL, f"chmod 600 {ssh / 'id_ed25519'}"),
+    ]
+
+
+def test_a_socket_interface_that_does_not_exist() -> None:
+    found = [f for f in judged(GLOO_SOCKET_IFNAME="eth9", NCCL_SOCKET_IFNAME="lo") if "IFNAME" in f.check]
+    assert [(f.check, f.status) for f in found] == [("GLOO_SOCKET_IFNAME", Status.FAIL)]
+    assert found[0].detail.startswith("=eth9 matches no interface here (") and "lo" in found[0].detail
+
+
+def test_import_spikingsail_does_not_import_torch() -> None:
+    code = "import sys, spikingsail; assert 'torch' not in sys.modules; spikingsail.SpikingSail; print('ok')"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.stdout.strip() == "ok", result.stderr

@@ -1,0 +1,141 @@
+"""How facts are judged on machines this one cannot be: GPUs, drivers, mixed nodes, other launch paths.
+
+The facts start as what the real probe reports here and are changed only where a GPU machine's
+would differ, so the judging code reads the probe's real schema.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from spikingsail.diagnostics.collect import ProbeResult, run_here
+from spikingsail.diagnostics.findings import Report, Status
+from spikingsail.diagnostics.machine import machine_findings
+from spikingsail.diagnostics.nodes import node_report
+from spikingsail.launchers.preflight import diagnose
+from spikingsail.launchers.request import parse_request
+
+A100 = {"index": 0, "name": "NVIDIA A100-SXM4-40GB", "memory": 40 << 30, "capability": "8.0", "bf16": True}
+V100 = {"index": 0, "name": "Tesla V100S-PCIE-32GB", "memory": 32 << 30, "capability": "7.0", "bf16": False}
+
+
+@pytest.fixture(scope="module")
+def cpu_facts() -> dict[str, Any]:
+    result = run_here([], timeout=120)
+    assert result.facts is not None, result.why
+    return result.facts
+
+
+def gpu_machine(
+    facts: dict[str, Any], gpus: list[dict[str, Any]], driver_cuda: str = "12.2"
+) -> dict[str, Any]:
+    out = copy.deepcopy(facts)
+    out["torch"].update(cuda="12.1", cudnn=90100, nccl="2.21.5", gpus=gpus, cuda_available=bool(gpus))
+    out["driver"].update(version="535.104.05", cuda=driver_cuda, gpus=len(gpus) or 2)
+    return out
+
+
+def judge(facts: dict[str, Any], check: str) -> list[tuple[Status, str, str]]:
+    return [(f.status, f.detail, f.fix) for f in machine_findings(facts, Report()) if f.check == check]
+
+
+def test_gpus_are_listed_with_memory_capability_and_bf16(cpu_facts: dict[str, Any]) -> None:
+    ((status, detail, _),) = judge(gpu_machine(cpu_facts, [A100]), "gpus")
+    assert status is Status.OK
+    assert detail == "driver 535.104.05 (CUDA 12.2); 0: NVIDIA A100-SXM4-40GB, 40 GiB, compute 8.0, bf16 yes"
+
+
+def test_a_driver_older_than_torchs_cuda(cpu_facts: dict[str, Any]) -> None:
+    ((status, detail, fix),) = judge(gpu_machine(cpu_facts, [], driver_cuda="11.4"), "gpus")
+    assert status is Status.FAIL
+    assert detail == "the driver supports CUDA up to 11.4, torch needs 12.1"
+    assert "install a torch built for CUDA ≤ 11.4" in fix
+
+
+def test_a_container_without_the_gpu_runtime(cpu_facts: dict[str, Any]) -> None:
+    facts = gpu_machine(cpu_facts, [])
+    facts["driver"].update(version=None, cuda=None, gpus=None)
+    ((status, detail, fix),) = judge(facts, "gpus")
+    assert status is Status.FAIL and "no NVIDIA driver is visible" in detail
+    assert "--gpus all" in fix
+
+
+def test_a_cpu_torch_on_a_gpu_machine(cpu_facts: dict[str, Any]) -> None:
+    facts = copy.deepcopy(cpu_facts)
+    facts["driver"].update(version="535.104.05", cuda="12.2", gpus=8)
+    ((status, detail, fix),) = judge(facts, "gpus")
+    assert status is Status.FAIL and "is a CPU build, but this machine has NVIDIA GPUs" in detail
+    assert "download.pytorch.org/whl/cu" in fix
+
+
+def test_an_empty_cuda_visible_devices_hides_every_gpu(cpu_facts: dict[str, Any]) -> None:
+    facts = gpu_machine(cpu_facts, [])
+    facts["env"]["CUDA_VISIBLE_DEVICES"] = ""
+    ((status, detail, _),) = judge(facts, "CUDA_VISIBLE_DEVICES")
+    assert (status, detail) == (Status.FAIL, "is empty: it hides every GPU")
+
+
+def test_locked_memory_matters_on_gpu_machines(cpu_facts: dict[str, Any]) -> None:
+    facts = gpu_machine(cpu_facts, [A100])
+    facts["limits"]["memlock"] = [64 << 10, 64 << 10]
+    ((status, detail, fix),) = judge(facts, "locked memory")
+    assert status is Status.WARN and detail.startswith("ulimit -l is 64.0 KiB")
+    assert fix.startswith("ulimit -l unlimited")
+
+
+def test_mixed_a100_and_v100_nodes_are_told_to_use_fp16(cpu_facts: dict[str, Any]) -> None:
+    request = parse_request(["-H", "node1:1,node2:1", "-m", "spikingsail.diagnostics.allreduce"])
+    node1 = gpu_machine(cpu_facts, [A100])
+    node2 = gpu_machine(cpu_facts, [V100])
+    results = [
+        ProbeResult(host=h, facts=f, received=f["time"]) for h, f in (("node1", node1), ("node2", node2))
+    ]
+    report = Report()
+    node_report(request, cpu_facts, results, report)
+    (precision,) = [f for f in report.findings if f.check == "precision"]
+    assert precision.status is Status.WARN
+    assert precision.detail == "bf16 is not supported on node2: Tesla V100S-PCIE-32GB (compute 7.0)"
+    assert '"fp16"' in precision.fix
+    slots = {f.host: f.status for f in report.findings if f.check == "slots"}
+    assert slots == {"node1": Status.OK, "node2": Status.OK}
+    clocks = [f for f in report.findings if f.check == "clock"]
+    assert all(f.status is Status.OK for f in clocks)
+
+
+def test_fewer_gpus_than_slots_fails(cpu_facts: dict[str, Any]) -> None:
+    request = parse_request(["-H", "node1:4", "-m", "spikingsail.diagnostics.allreduce"])
+    node1 = gpu_machine(cpu_facts, [A100, {**A100, "index": 1}])
+    report = Report()
+    node_report(request, cpu_facts, [ProbeResult(host="node1", facts=node1, received=node1["time"])], report)
+    (slots,) = [f for f in report.findings if f.check == "slots"]
+    assert (slots.status, slots.detail) == (Status.FAIL, "4 process(es) but 2 GPU(s) visible")
+    assert slots.fix == "give node1 slots=2 in the hostfile (or --num_gpus 2)"
+
+
+def test_a_clock_far_off_is_a_warning(cpu_facts: dict[str, Any]) -> None:
+    request = parse_request(["-H", "node1:1", "-m", "spikingsail.diagnostics.allreduce"])
+    report = Report()
+    late = ProbeResult(host="node1", facts=cpu_facts, received=cpu_facts["time"] - 30)
+    node_report(request, cpu_facts, [late], report)
+    (clock,) = [f for f in report.findings if f.check == "clock"]
+    assert clock.status is Status.WARN and clock.detail.startswith("+30.0 s from this machine's clock")
+
+
+@pytest.mark.parametrize(
+    ("stderr", "why", "fix"),
+    [
+        ("root@node2: Permission denied (publickey).", "the host refused the key", "ssh-copy-id node2; then on node2: chmod 700"),
+        ("root@node2: Permission denied (publickey,password).", "the host asks for a password", "ssh-copy-id node2"),
+        ("root@node2: Permission denied (publickey,keyboard-interactive).", "the host asks for a password", "ssh-copy-id node2"),
+        ("Host key verification failed.", "the host's key is unknown or changed", "ssh node2"),
+        ("ssh: Could not resolve hostname node2: Name or service not known", "the name does not resolve", "/etc/hosts"),
+        ("ssh: connect to host node2 port 222: Connection refused", "no ssh server listens", "--ssh-port"),
+    ],
+)  # fmt: skip
+def test_ssh_failures_are_explained(stderr: str, why: str, fix: str) -> None:
+    got_why, got_fix = diagnose("node2", stderr, 255)
+    assert got_why.startswith(why) and stderr in got_why
+    assert fix in got_fix

@@ -65,12 +65,14 @@ def node2(cluster: NamespaceCluster) -> Iterator[Restart]:
     cluster.start_sshd("node2")
 
 
-def test_a_healthy_cluster_passes(cluster: NamespaceCluster, tmp_path: Path) -> None:
-    code, report, _ = doctor(cluster, tmp_path)
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
+def test_a_healthy_cluster_passes(cluster: NamespaceCluster, tmp_path: Path, launcher: str) -> None:
+    code, report, _ = doctor(cluster, tmp_path, "--launcher", launcher)
     assert code == 0, failed(report)
     assert report["ok"] and report["counts"]["fail"] == 0
     (allreduce,) = findings(report, "all-reduce")
     assert allreduce["status"] == "ok" and "node1, node2" in allreduce["detail"], allreduce
+    assert f"through {launcher}" in allreduce["detail"]
     assert {f["host"] for f in findings(report, "ssh")} == {"node1", "node2"}
     reachable = findings(report, "rendezvous port", "node2")
     assert reachable[0]["status"] == "ok" and "10.99.0.1" in reachable[0]["detail"]
@@ -117,6 +119,38 @@ def test_a_node_whose_authorized_keys_lacks_the_key(
     assert "ssh-copy-id node2" in ssh["fix"]
     assert findings(report, "ssh", "node1")[0]["status"] == "ok"
     assert findings(report, "all-reduce")[0]["detail"].startswith("not tried")
+
+
+def test_no_key_on_this_machine(cluster: NamespaceCluster, tmp_path: Path) -> None:
+    config = tmp_path / "ssh_config"
+    config.write_text(cluster.client_config(tmp_path / "id_ed25519"))  # a key that was never generated
+    (tmp_path / "hostfile").write_text("node1 slots=1\nnode2 slots=1\n")
+    argv = [*DOCTOR, "--json", "-H", str(tmp_path / "hostfile"), "--ssh-config", str(config)]
+    result = cluster.run("node1", argv, cwd=tmp_path)
+    report = json.loads(result.stdout)
+    assert result.returncode == 1
+    for node in ("node1", "node2"):
+        (ssh,) = findings(report, "ssh", node)
+        assert ssh["detail"].startswith(
+            f"this machine has no ssh key to offer (ssh looks for {tmp_path / 'id_ed25519'})"
+        )
+        assert ssh["fix"] == f"ssh-keygen -t ed25519, then ssh-copy-id {node}"
+
+
+def test_an_unknown_host_key(cluster: NamespaceCluster, tmp_path: Path) -> None:
+    config = tmp_path / "ssh_config"
+    strict = cluster.client_config(cluster.key).replace(
+        "StrictHostKeyChecking no", "StrictHostKeyChecking yes"
+    )
+    config.write_text(strict.replace("/dev/null", str(tmp_path / "known_hosts")))
+    (tmp_path / "hostfile").write_text("node1 slots=1\nnode2 slots=1\n")
+    argv = [*DOCTOR, "--json", "-H", str(tmp_path / "hostfile"), "--ssh-config", str(config)]
+    result = cluster.run("node1", argv, cwd=tmp_path)
+    report = json.loads(result.stdout)
+    assert result.returncode == 1
+    (ssh,) = findings(report, "ssh", "node2")
+    assert ssh["detail"].startswith("the host's key is unknown or changed")
+    assert "ssh node2" in ssh["fix"]
 
 
 def test_a_node_that_wants_a_password(cluster: NamespaceCluster, node2: Restart, tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ class ProbeResult:
 
 
 def run_here(args: list[str], timeout: float) -> ProbeResult:
-    return _run("localhost", [sys.executable, "-", *args], timeout, ssh=False)
+    return _run("localhost", [sys.executable, "-", *args], timeout)
 
 
 def run_on(host: str, ssh: SSHOptions, env: dict[str, str], args: list[str], timeout: float) -> ProbeResult:
@@ -46,10 +46,10 @@ def run_on(host: str, ssh: SSHOptions, env: dict[str, str], args: list[str], tim
     from spikingsail.launchers.agents import remote_shell_command  # imports torch: not for the local report
 
     remote = remote_shell_command([sys.executable, "-", *args], env)
-    return _run(host, ["ssh", *ssh.args(), host, remote], timeout, ssh=True)
+    return _run(host, ["ssh", *ssh.args(), host, remote], timeout, ssh_args=ssh.args())
 
 
-def _run(host: str, argv: list[str], timeout: float, ssh: bool) -> ProbeResult:
+def _run(host: str, argv: list[str], timeout: float, ssh_args: list[str] | None = None) -> ProbeResult:
     process = subprocess.Popen(
         argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -84,10 +84,10 @@ def _run(host: str, argv: list[str], timeout: float, ssh: bool) -> ProbeResult:
             fix="check that the node is up and not overloaded; raise --timeout for slow file systems",
         )
     text = "".join(errors)
-    if ssh and returncode == _SSH_FAILED:
+    if ssh_args is not None and returncode == _SSH_FAILED:
         from spikingsail.launchers.preflight import diagnose
 
-        why, fix = diagnose(host, text, returncode)
+        why, fix = diagnose(host, text, returncode, ssh_args)
         return ProbeResult(host=host, facts=None, why=why, fix=fix, ssh_failed=True)
     why, fix = _why_no_probe(host, text, returncode)
     return ProbeResult(host=host, facts=None, why=why, fix=fix)

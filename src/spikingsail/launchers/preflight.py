@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.request import SSHOptions
@@ -26,10 +27,21 @@ _DIAGNOSES = (
 )  # fmt: skip
 
 
-def diagnose(host: str, stderr: str, returncode: int) -> tuple[str, str]:
-    """Why an ssh command (BatchMode) failed and what to do: ``(why, fix)``."""
+def diagnose(host: str, stderr: str, returncode: int, ssh_args: list[str] | None = None) -> tuple[str, str]:
+    """Why an ssh command (BatchMode) failed and what to do: ``(why, fix)``.
+
+    With ``ssh_args`` (the options the command used) a refused login is checked against the
+    identity files ssh would offer: when none exists, the key is missing here, not on the host.
+    """
     lines = stderr.strip().splitlines()
     message = lines[-1] if lines else f"ssh exited {returncode}"
+    if "Permission denied" in stderr and ssh_args is not None:
+        offered = _identity_files(host, ssh_args)
+        if offered is not None and not any(Path(p).expanduser().is_file() for p in offered):
+            return (
+                f"this machine has no ssh key to offer (ssh looks for {', '.join(offered)}) ({message})",
+                f"ssh-keygen -t ed25519, then ssh-copy-id {host}",
+            )
     if _PASSWORD_WANTED.search(stderr):
         return (
             f"the host asks for a password: this machine's key is not accepted ({message})",
@@ -39,6 +51,15 @@ def diagnose(host: str, stderr: str, returncode: int) -> tuple[str, str]:
         if needle in stderr:
             return f"{why} ({message})", fix.format(host=host)
     return message, "run the same ssh command by hand to see why"
+
+
+def _identity_files(host: str, ssh_args: list[str]) -> list[str] | None:
+    """The identity files ``ssh`` would try for ``host`` (``ssh -G`` prints the resolved options)."""
+    options = [a for a in ssh_args if a != "-tt"]
+    result = subprocess.run(["ssh", "-G", *options, host], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        return None
+    return [line.split(None, 1)[1] for line in result.stdout.splitlines() if line.startswith("identityfile ")]
 
 
 def check_hosts(hosts: list[str], ssh: SSHOptions) -> None:
@@ -70,5 +91,5 @@ def _probe(host: str, ssh: SSHOptions) -> str | None:
         return f"no answer within {ssh.connect_timeout + 10} s"
     if result.returncode == 0:
         return None
-    why, fix = diagnose(host, result.stderr, result.returncode)
+    why, fix = diagnose(host, result.stderr, result.returncode, ssh.args())
     return f"{why}; fix: {fix}"

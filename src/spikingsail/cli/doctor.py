@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from spikingsail.diagnostics.collect import run_here
 from spikingsail.diagnostics.findings import Finding, Report, Status, fail, ok, use_color
@@ -39,13 +40,10 @@ def parser() -> argparse.ArgumentParser:
 def run(argv: list[str]) -> int:
     args, launch_flags = parser().parse_known_args(argv)
     report = Report()
-    here = run_here([], args.timeout)
-    if here.facts is None:
-        report.findings.append(fail("python", here.why, here.fix))
-    elif "-H" in launch_flags or any(a.startswith("--hostfile") for a in launch_flags):
-        _nodes(launch_flags, here.facts, report, args.timeout)
+    if "-H" in launch_flags or any(a.startswith("--hostfile") for a in launch_flags):
+        _nodes(launch_flags, report, args.timeout)
     else:
-        _here(launch_flags, here.facts, report, args.timeout)
+        _here(launch_flags, report, args.timeout)
     if args.json:
         print(report.to_json())
     else:
@@ -53,29 +51,38 @@ def run(argv: list[str]) -> int:
     return 1 if report.failed else 0
 
 
-def _here(launch_flags: list[str], facts: dict[str, Any], report: Report, timeout: float) -> None:
-    report.facts["this machine"] = facts
-    torch_broken = bool(facts["torch"].get("error"))
-    nproc = 2
-    if not torch_broken:
-        from spikingsail.launchers.request import parse_request
-
-        request = parse_request([*_default_nproc(launch_flags), "-m", ALLREDUCE])
-        nproc = int(request.nproc_per_node) if request.nproc_per_node.isdigit() else 1
-    report.findings += machine_findings(facts, report, nproc=nproc)
-    if torch_broken:
+def _here(launch_flags: list[str], report: Report, timeout: float) -> None:
+    here = run_here([], timeout)
+    if here.facts is None:
+        report.findings.append(fail("python", here.why, here.fix))
+        return
+    report.facts["this machine"] = here.facts
+    if here.facts["torch"].get("error"):
+        # nothing below may import torch: the report must still be written
+        report.findings += machine_findings(here.facts, report, nproc=2)
         report.findings.append(fail("process group", "not tried: torch does not import", "fix torch first"))
-    else:
-        report.findings.append(_allreduce(request, timeout))
+        return
+    from spikingsail.launchers.request import parse_request
+
+    request = parse_request([*_default_nproc(launch_flags), "-m", ALLREDUCE])
+    nproc = int(request.nproc_per_node) if request.nproc_per_node.isdigit() else 1
+    report.findings += machine_findings(here.facts, report, nproc=nproc)
+    report.findings.append(_allreduce(request, timeout))
 
 
-def _nodes(launch_flags: list[str], here: dict[str, Any], report: Report, timeout: float) -> None:
+def _nodes(launch_flags: list[str], report: Report, timeout: float) -> None:
     from spikingsail.diagnostics.nodes import node_report, probe_nodes
     from spikingsail.launchers.request import parse_request
 
-    request = parse_request([*launch_flags, "-m", ALLREDUCE])
-    results = probe_nodes(request, timeout)
-    node_report(request, here, results, report)
+    request = parse_request([*launch_flags, "-m", ALLREDUCE])  # a bad hostfile stops here, before any ssh
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        reference = pool.submit(run_here, [], timeout)
+        results = probe_nodes(request, timeout)
+        here = reference.result()
+    if here.facts is None:
+        report.findings.append(fail("python", f"on this machine: {here.why}", here.fix))
+        return
+    node_report(request, here.facts, results, report)
     blocking = {"ssh", "probe", "torch", "rendezvous port", "python"}
     if any(f.status is Status.FAIL and f.check in blocking for f in report.findings):
         report.findings.append(

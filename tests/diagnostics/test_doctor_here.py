@@ -34,15 +34,9 @@ def by_check(report: dict[str, Any], check: str) -> list[dict[str, Any]]:
     return [f for f in report["findings"] if f["check"] == check]
 
 
-def judged(**env: str) -> list[Any]:
-    """The probe run for real in a child with ``env`` added, and its facts judged."""
-    saved = dict(os.environ)
-    os.environ.update(env)
-    try:
-        result = run_here([], timeout=120)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+def judged() -> list[Any]:
+    """The probe run for real in a child (with the environment the test set), its facts judged."""
+    result = run_here([], timeout=120)
     assert result.facts is not None, result.why
     return machine_findings(result.facts, Report())
 
@@ -103,28 +97,21 @@ def test_a_low_open_files_limit() -> None:
     assert code == 0
 
 
-def test_an_extension_cache_built_for_another_python_and_cuda(tmp_path: Path) -> None:
+def test_an_extension_cache_built_for_another_python_and_cuda(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Seed 000's container (Python 3.6, CUDA 10.1) left its ops in the shared cache.
     old = tmp_path / "torch_extensions" / "py36_cu101" / "fused_adam"
     old.mkdir(parents=True)
     (old / "fused_adam.so").write_bytes(b"\x7fELF")
-    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
-    env["XDG_CACHE_HOME"] = str(tmp_path)
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        result = run_here([], timeout=120)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    assert result.facts is not None
-    found = [f for f in machine_findings(result.facts, Report()) if f.check == "torch extensions"]
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    found = [f for f in judged() if f.check == "torch extensions"]
     assert [(f.status, f.fix) for f in found] == [(Status.WARN, f"rm -rf {old} (rebuilt on next use)")]
     assert "built for py36_cu101, not for this Python and torch (py311_cpu)" in found[0].detail
 
 
-def test_an_extension_built_before_this_torch(tmp_path: Path) -> None:
+def test_an_extension_built_before_this_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     built = tmp_path / "cpu_adam"
     built.mkdir()
     (built / "build.ninja").write_text(f"cflags = -isystem {Path(torch.__file__).parent / 'include'} -fPIC\n")
@@ -133,7 +120,8 @@ def test_an_extension_built_before_this_torch(tmp_path: Path) -> None:
         ["gcc", "-shared", "-fPIC", "-o", str(built / "cpu_adam.so"), str(built / "lib.c")], check=True
     )
     os.utime(built / "cpu_adam.so", (1_000_000_000, 1_000_000_000))  # 2001: older than this torch
-    found = [f for f in judged(TORCH_EXTENSIONS_DIR=str(tmp_path)) if f.check == "torch extensions"]
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    found = [f for f in judged() if f.check == "torch extensions"]
     assert [(f.status, f.detail) for f in found] == [
         (
             Status.WARN,
@@ -142,7 +130,7 @@ def test_an_extension_built_before_this_torch(tmp_path: Path) -> None:
     ]
 
 
-def test_loose_ssh_files_and_an_unprotected_key(tmp_path: Path) -> None:
+def test_loose_ssh_files_and_an_unprotected_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ssh = tmp_path / ".ssh"
     ssh.mkdir(mode=0o755)
     ssh.chmod(0o755)
@@ -151,7 +139,8 @@ def test_loose_ssh_files_and_an_unprotected_key(tmp_path: Path) -> None:
     (ssh / "id_ed25519").write_text("")
     (ssh / "id_ed25519").chmod(0o644)
     tmp_path.chmod(0o755)
-    found = [f for f in judged(HOME=str(tmp_path)) if f.check == "ssh permissions"]
+    monkeypatch.setenv("HOME", str(tmp_path))
+    found = [f for f in judged() if f.check == "ssh permissions"]
     assert [(f.status, f.fix) for f in found] == [
         (Status.WARN, f"chmod 700 {ssh}"),
         (Status.WARN, f"chmod 600 {ssh / 'authorized_keys'}"),
@@ -159,8 +148,10 @@ def test_loose_ssh_files_and_an_unprotected_key(tmp_path: Path) -> None:
     ]
 
 
-def test_a_socket_interface_that_does_not_exist() -> None:
-    found = [f for f in judged(GLOO_SOCKET_IFNAME="eth9", NCCL_SOCKET_IFNAME="lo") if "IFNAME" in f.check]
+def test_a_socket_interface_that_does_not_exist(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
+    found = [f for f in judged() if "IFNAME" in f.check]
     assert [(f.check, f.status) for f in found] == [("GLOO_SOCKET_IFNAME", Status.FAIL)]
     assert found[0].detail.startswith("=eth9 matches no interface here (") and "lo" in found[0].detail
 

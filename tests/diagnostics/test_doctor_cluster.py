@@ -65,9 +65,15 @@ def node2(cluster: NamespaceCluster) -> Iterator[Restart]:
     cluster.start_sshd("node2")
 
 
-@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
+# Open MPI needs the namespaces' subnet named, as on any multi-homed machine
+MPIRUN = ("--launcher-args", "--mca btl_tcp_if_include 10.99.0.0/24 --mca oob_tcp_if_include 10.99.0.0/24")
+
+
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh", "mpirun"])
 def test_a_healthy_cluster_passes(cluster: NamespaceCluster, tmp_path: Path, launcher: str) -> None:
-    code, report, _ = doctor(cluster, tmp_path, "--launcher", launcher)
+    code, report, _ = doctor(
+        cluster, tmp_path, "--launcher", launcher, *(MPIRUN if launcher == "mpirun" else ())
+    )
     assert code == 0, failed(report)
     assert report["ok"] and report["counts"]["fail"] == 0
     (allreduce,) = findings(report, "all-reduce")

@@ -7,9 +7,11 @@ anything fails. The last check is a real all-reduce started the way `sail launch
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from spikingsail.diagnostics.collect import run_here
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
     from spikingsail.launchers.request import LaunchRequest
 
 ALLREDUCE = "spikingsail.diagnostics.allreduce"
+# mpirun and horovodrun start a script path, not a module (-m) as torchrun can
+_SCRIPT_LAUNCHERS = ("mpirun", "horovodrun")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -74,7 +78,7 @@ def _nodes(launch_flags: list[str], report: Report, timeout: float) -> None:
     from spikingsail.diagnostics.nodes import node_report, probe_nodes
     from spikingsail.launchers.request import parse_request
 
-    request = parse_request([*launch_flags, "-m", ALLREDUCE])  # a bad hostfile stops here, before any ssh
+    request = parse_request([*launch_flags, *_job(launch_flags)])  # a bad hostfile stops here, before any ssh
     with ThreadPoolExecutor(max_workers=1) as pool:
         reference = pool.submit(run_here, [], timeout)
         results = probe_nodes(request, timeout)
@@ -94,6 +98,16 @@ def _nodes(launch_flags: list[str], report: Report, timeout: float) -> None:
         )
     else:
         report.findings.append(_allreduce(request, timeout))
+
+
+def _job(launch_flags: list[str]) -> list[str]:
+    """The all-reduce as `sail launch` takes it: ``-m MODULE``, or the file for script launchers."""
+    script = any(f"--launcher={name}" in launch_flags for name in _SCRIPT_LAUNCHERS) or any(
+        a == "--launcher" and b in _SCRIPT_LAUNCHERS for a, b in itertools.pairwise(launch_flags)
+    )
+    return (
+        [str(Path(__file__).parent.parent / "diagnostics" / "allreduce.py")] if script else ["-m", ALLREDUCE]
+    )
 
 
 def _default_nproc(launch_flags: list[str]) -> list[str]:

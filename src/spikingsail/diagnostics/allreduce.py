@@ -1,15 +1,15 @@
-"""The doctor's last check: a real all-reduce over every process, started like a training job.
+"""The doctor's last check: a real all-reduce over every process, started and joined like a training job.
 
-Run by torchrun (``sail launch ... -m spikingsail.diagnostics.allreduce``): every rank joins the
-process group as the engine would (nccl with the GPU of its local rank, gloo on CPUs), all-reduces
-1 MiB holding its rank + 1, and checks the sum. Rank 0 prints ``SAIL_ALLREDUCE {json}``.
+Started by `sail launch` (``... -m spikingsail.diagnostics.allreduce``, or this file's path for
+launchers that run a script), every rank finds its place and joins the process group through the
+engine's own code (``discover_rank_info``, ``select_device``, ``join_process_group``: nccl with the
+GPU of its local rank, gloo on CPUs), all-reduces 1 MiB holding its rank + 1, and checks the sum.
+Rank 0 prints ``SAIL_ALLREDUCE {json}``.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 import socket
 import sys
 import time
@@ -17,38 +17,43 @@ import time
 import torch
 import torch.distributed as dist
 
+from spikingsail.backends.process_group import join_process_group, leave_process_group, select_device
+from spikingsail.config import load_config
+from spikingsail.environments import discover_rank_info
+from spikingsail.errors import SailError
+
 MARKER = "SAIL_ALLREDUCE "
 ELEMENTS = 1 << 18  # 1 MiB of float32
 
 
 def main() -> int:
     started = time.monotonic()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
-        backend, device = "nccl", torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        backend, device = "gloo", torch.device("cpu")
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
     try:
-        values = torch.full((ELEMENTS,), float(rank + 1), device=device)
+        info = discover_rank_info()
+        config = load_config(
+            {"train_micro_batch_size_per_gpu": 1, "sail": {"timeout_minutes": 1}}, info.world_size
+        )
+        device = select_device(info)
+        join_process_group(config, info, device)
+    except SailError as err:
+        print(f"sail doctor: {err}", file=sys.stderr)
+        return 2
+    try:
+        values = torch.full((ELEMENTS,), float(info.rank + 1), device=device)
         dist.all_reduce(values)
-        expected = world * (world + 1) / 2
+        expected = info.world_size * (info.world_size + 1) / 2
         wrong = int((values != expected).sum())
-        hosts: list[str | None] = [None] * world
+        hosts: list[str | None] = [None] * info.world_size
         dist.all_gather_object(hosts, socket.gethostname())
+        backend = dist.get_backend()
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
     if wrong:
-        print(f"rank {rank}: {wrong} of {ELEMENTS} elements differ from {expected}", file=sys.stderr)
+        print(f"rank {info.rank}: {wrong} of {ELEMENTS} elements differ from {expected}", file=sys.stderr)
         return 1
-    if rank == 0:
-        result = {
-            "world_size": world,
-            "backend": backend,
-            "hosts": hosts,
-            "seconds": time.monotonic() - started,
-        }
+    if info.rank == 0:
+        result = {"world_size": info.world_size, "backend": backend, "hosts": hosts,
+                  "seconds": time.monotonic() - started}  # fmt: skip
         print(MARKER + json.dumps(result), flush=True)
     return 0
 

@@ -196,51 +196,49 @@ def _stale(entry: Facts, torch: Facts, include: str | None) -> tuple[Callable[..
 
 
 def _backends(facts: Facts, host: str) -> list[Finding]:
-    out = []
     torch_version = facts["torch"].get("version")
-    ds = facts.get("deepspeed")
-    if ds is None:
-        out.append(ok("deepspeed", "not installed (optional)", host))
-    elif ds["error"]:
-        out.append(fail("deepspeed", f"does not import: {ds['error'][-300:]}",
-                        "reinstall it for this torch: DS_BUILD_OPS=0 pip install deepspeed", host))  # fmt: skip
-    else:
-        built = ds["built_with"].get("version", "0.0")
-        if built not in ("0.0", None) and torch_version and not torch_version.startswith(built):
-            out.append(warn("deepspeed", f"DeepSpeed {ds['version']} was installed with torch {built}, this is "
-                            f"torch {torch_version}: its prebuilt ops may not load",
-                            "reinstall DeepSpeed for this torch", host))  # fmt: skip
-        else:
-            out.append(ok("deepspeed", f"DeepSpeed {ds['version']}, accelerator {ds['accelerator']}", host))
-    out.append(_horovod(facts.get("horovod"), torch_version, host))
-    mpi = facts.get("mpi4py")
-    if mpi is None:
-        out.append(ok("mpi4py", "not installed (optional)", host))
-    elif mpi["error"]:
-        out.append(warn("mpi4py", f"does not import: {mpi['error'][-200:]}",
-                        "install an MPI library (apt-get install libopenmpi-dev) or pip install mpich", host))  # fmt: skip
-    else:
-        out.append(ok("mpi4py", f"mpi4py {mpi['version']} on {mpi['library']}", host))
-    sj, version = facts.get("spikingjelly"), facts["packages"].get("spikingjelly")
-    if sj is None:
-        out.append(ok("spikingjelly", "not installed (optional)", host))
-    elif sj["error"]:
-        out.append(warn("spikingjelly", f"{version} does not import: {sj['error'][-200:]}",
-                        "pip install --no-deps spikingjelly==2.0.0 loguru", host))  # fmt: skip
-    else:
-        out.append(ok("spikingjelly", f"spikingjelly {version}", host))
-    return out
+    spikingjelly = facts["packages"].get("spikingjelly")
+    return [
+        _optional("deepspeed", facts.get("deepspeed"), host, fail,
+                  "reinstall it for this torch: DS_BUILD_OPS=0 pip install deepspeed",
+                  lambda ds: _deepspeed(ds, torch_version, host)),
+        _optional("horovod", facts.get("horovod"), host, fail,
+                  f"rebuild Horovod against torch {torch_version} (bash scripts/build-horovod.sh PYTHON)",
+                  lambda hvd: ok("horovod", f"Horovod {hvd['version']}: frameworks {', '.join(hvd['frameworks'])}; "
+                                 f"controllers {', '.join(hvd['controllers']) or 'none'}; tensor operations "
+                                 f"{', '.join(hvd['tensor_operations']) or 'none'}", host)),
+        _optional("mpi4py", facts.get("mpi4py"), host, warn,
+                  "install an MPI library (apt-get install libopenmpi-dev) or pip install mpich",
+                  lambda mpi: ok("mpi4py", f"mpi4py {mpi['version']} on {mpi['library']}", host)),
+        _optional("spikingjelly", facts.get("spikingjelly"), host, warn,
+                  "pip install --no-deps spikingjelly==2.0.0 loguru",
+                  lambda _: ok("spikingjelly", f"spikingjelly {spikingjelly}", host)),
+    ]  # fmt: skip
 
 
-def _horovod(hvd: Facts | None, torch_version: str | None, host: str) -> Finding:
-    if hvd is None:
-        return ok("horovod", "not installed (optional)", host)
-    if hvd["error"]:
-        return fail("horovod", f"does not import: {hvd['error'][-300:]}",
-                    f"rebuild Horovod against torch {torch_version} (bash scripts/build-horovod.sh PYTHON)", host)  # fmt: skip
-    return ok("horovod", f"Horovod {hvd['version']}: frameworks {', '.join(hvd['frameworks'])}; controllers "
-              f"{', '.join(hvd['controllers']) or 'none'}; tensor operations "
-              f"{', '.join(hvd['tensor_operations']) or 'none'}", host)  # fmt: skip
+def _optional(
+    name: str,
+    facts: Facts | None,
+    host: str,
+    broken: Callable[..., Finding],
+    fix: str,
+    working: Callable[[Facts], Finding],
+) -> Finding:
+    """An optional package: not installed is fine; installed but not importing is ``broken``."""
+    if facts is None:
+        return ok(name, "not installed (optional)", host)
+    if facts["error"]:
+        return broken(name, f"does not import: {facts['error'][-300:]}", fix, host)
+    return working(facts)
+
+
+def _deepspeed(ds: Facts, torch_version: str | None, host: str) -> Finding:
+    built = ds["built_with"].get("version", "0.0")
+    if built not in ("0.0", None) and torch_version and not torch_version.startswith(built):
+        return warn("deepspeed", f"DeepSpeed {ds['version']} was installed with torch {built}, this is "
+                    f"torch {torch_version}: its prebuilt ops may not load",
+                    "reinstall DeepSpeed for this torch", host)  # fmt: skip
+    return ok("deepspeed", f"DeepSpeed {ds['version']}, accelerator {ds['accelerator']}", host)
 
 
 def _network(facts: Facts, host: str) -> list[Finding]:

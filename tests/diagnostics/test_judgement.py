@@ -129,6 +129,7 @@ def test_a_clock_far_off_is_a_warning(cpu_facts: dict[str, Any]) -> None:
     [
         ("root@node2: Permission denied (publickey).", "the host refused the key", "ssh-copy-id node2; then on node2: chmod 700"),
         ("root@node2: Permission denied (publickey,password).", "the host asks for a password", "ssh-copy-id node2"),
+        ("u@node2: Permission denied (publickey,gssapi-keyex,gssapi-with-mic).", "the host refused the key", "chmod 700"),
         ("root@node2: Permission denied (publickey,keyboard-interactive).", "the host asks for a password", "ssh-copy-id node2"),
         ("Host key verification failed.", "the host's key is unknown or changed", "ssh node2"),
         ("ssh: Could not resolve hostname node2: Name or service not known", "the name does not resolve", "/etc/hosts"),

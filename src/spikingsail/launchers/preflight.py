@@ -14,7 +14,7 @@ _PASSWORD_WANTED = re.compile(
     r"Permission denied \((?=[^)]*publickey)(?=[^)]*(password|keyboard-interactive))"
 )
 _DIAGNOSES = (
-    ("Permission denied (publickey)",
+    ("Permission denied (",  # after the password check: (publickey), (publickey,gssapi-with-mic), ...
      "the host refused the key: its ~/.ssh/authorized_keys lacks this machine's public key, or sshd "
      "ignores the file because ~/.ssh is not 700 or authorized_keys not 600 (StrictModes)",
      "ssh-copy-id {host}; then on {host}: chmod 700 ~/.ssh && chmod 600 ~/.ssh/authorized_keys"),

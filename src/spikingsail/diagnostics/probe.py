@@ -87,9 +87,10 @@ def torch_facts() -> Facts:
     }
     with contextlib.suppress(Exception):
         facts["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    if torch.cuda.is_available():
+    if cuda:  # a CUDA build reports its NCCL without a GPU too (a login node compares with GPU nodes)
         with contextlib.suppress(Exception):
             facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    if torch.cuda.is_available():
         facts["gpus"] = [_gpu(torch, i) for i in range(torch.cuda.device_count())]
     facts["cuda_available"] = bool(torch.cuda.is_available())
     return facts

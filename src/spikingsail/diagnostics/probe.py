@@ -83,7 +83,6 @@ def torch_facts() -> Facts:
         "cudnn": None,
         "nccl": None,
         "gpus": [],
-        "cpu_bf16": True,
     }
     with contextlib.suppress(Exception):
         facts["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None

@@ -146,7 +146,9 @@ engine, _ = spikingsail.initialize(model=net, optimizer=torch.optim.SGD(net.para
 x = torch.tensor([[1.0, 2.0, 0.5], [0.3, -1.0, 2.0]])[engine.rank:engine.rank + 1]
 engine.backward(engine(x).sum())
 engine.step()
-print(json.dumps({"w": engine.module.weight.detach().flatten().tolist(), "w0": w0.flatten().tolist()}))
+# a file per rank: mpirun merges the ranks' stdout, and two lines written at once can share one
+with open(f"rank{engine.rank}.json", "w") as out:
+    json.dump({"w": engine.module.weight.detach().flatten().tolist(), "w0": w0.flatten().tolist()}, out)
 engine.close()
 """
 
@@ -162,7 +164,7 @@ def test_adasum_on_mpi_combines_the_ranks_updates_by_its_formula(tmp_path: Path)
             sys.executable, str(tmp_path / "job.py")]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert len(results) == 2 and results[0] == results[1]
     # each rank's SGD update is -lr * x_rank; Adasum(a, b) = (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b
     a = -0.5 * torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)

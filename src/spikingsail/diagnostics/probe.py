@@ -162,7 +162,7 @@ def extension_facts(torch_info: Facts) -> Facts:
     root = Path(explicit or Path(cache) / "torch_extensions")
     entries: list[Facts] = []
     if root.is_dir():
-        # Without TORCH_EXTENSIONS_DIR torch files builds under a pyXY_cuZZ folder per interpreter.
+        # Without TORCH_EXTENSIONS_DIR, torch puts its builds in a pyXY_cuZZ folder per interpreter.
         parents = [root] if explicit else [d for d in root.iterdir() if d.is_dir() and _TAG.match(d.name)]
         for parent in sorted(parents):
             tag = None if explicit else parent.name
@@ -198,8 +198,11 @@ def _load_errors(libraries: list[str]) -> dict[str, str]:
         "    except OSError as err: out[so] = str(err)\n"
         "print(json.dumps(out))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code, *libraries], capture_output=True, text=True,
-                            timeout=120, check=False)  # fmt: skip
+    try:
+        result = subprocess.run([sys.executable, "-c", code, *libraries], capture_output=True, text=True,
+                                timeout=120, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return dict.fromkeys(libraries, "loading took over 120 s")
     if result.returncode != 0:
         return dict.fromkeys(libraries, f"loading crashed the interpreter (status {result.returncode})")
     errors: dict[str, str] = json.loads(result.stdout.strip().splitlines()[-1])

@@ -200,9 +200,9 @@ def test_launch_argv_runs_the_job_module_with_two_local_processes_by_default() -
     assert bench.comm_launch_argv(checked, ["-n3"]) == ["-n3", *job]
     hosts = ["-H", "hostfile", "--ssh-config", "cfg", "--launcher", "pdsh"]
     assert bench.comm_launch_argv(checked, hosts) == [*hosts, *job]
-    # mpirun starts a script path (through as_torchrun), not a module
+    # mpirun's ranks run the module through as_torchrun, as torchrun's would
     mpirun = ["-H", "hostfile", "--launcher", "mpirun"]
-    assert bench.comm_launch_argv(checked, mpirun) == [*mpirun, comm_bench.__file__, *checked.job_args()]
+    assert bench.comm_launch_argv(checked, mpirun) == [*mpirun, *job]
 
 
 def test_dry_run_prints_the_sail_launch_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

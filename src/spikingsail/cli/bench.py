@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 from spikingsail.cli import launch
-from spikingsail.diagnostics import comm_bench
 from spikingsail.diagnostics.comm_bench import SweepConfig, add_arguments, sweep_config
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.request import parser as launch_parser
@@ -88,10 +87,6 @@ def comm_launch_argv(config: SweepConfig, launch_flags: list[str]) -> list[str]:
     flags = list(launch_flags)
     if not any(_flag_name(a) in _PROCESS_COUNT_FLAGS for a in flags):
         flags = ["-n", "2", *flags]
-    if _shimmed(flags):
-        # mpirun and srun tasks start a script path through spikingsail.launchers.as_torchrun,
-        # which cannot run a module: give them the job's file instead.
-        return [*flags, str(Path(comm_bench.__file__)), *config.job_args()]
     return [*flags, "-m", JOB_MODULE, *config.job_args()]
 
 
@@ -101,17 +96,6 @@ def _flag_name(arg: str) -> str:
     if arg[:2] in ("-n", "-H") and arg != "-np" and len(arg) > 2:  # -n2, -Hhostfile
         return arg[:2]
     return arg
-
-
-def _shimmed(flags: list[str]) -> bool:
-    def value(*names: str) -> str | None:
-        for i, arg in enumerate(flags):
-            name, _, attached = arg.partition("=")
-            if name in names:
-                return attached or (flags[i + 1] if i + 1 < len(flags) else None)
-        return None
-
-    return value("--launcher") == "mpirun" or value("--dist-init-method", "--dist_init_method") == "slurm"
 
 
 def _check_flags_only(launch_flags: list[str]) -> None:

@@ -7,11 +7,9 @@ anything fails. The last check is a real all-reduce started the way `sail launch
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from spikingsail.diagnostics.collect import run_here
@@ -22,8 +20,6 @@ if TYPE_CHECKING:
     from spikingsail.launchers.request import LaunchRequest
 
 ALLREDUCE = "spikingsail.diagnostics.allreduce"
-# mpirun and horovodrun start a script path, not a module (-m) as torchrun can
-_SCRIPT_LAUNCHERS = ("mpirun", "horovodrun")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -64,7 +60,7 @@ def _here(launch_flags: list[str], report: Report, timeout: float) -> None:
     if here.facts["torch"].get("error"):
         # nothing below may import torch: the report must still be written
         report.findings += machine_findings(here.facts, report, nproc=2)
-        report.findings.append(fail("process group", "not tried: torch does not import", "fix torch first"))
+        report.findings.append(fail("all-reduce", "not tried: torch does not import", "fix torch first"))
         return
     from spikingsail.launchers.request import parse_request
 
@@ -78,7 +74,7 @@ def _nodes(launch_flags: list[str], report: Report, timeout: float) -> None:
     from spikingsail.diagnostics.nodes import node_report, probe_nodes
     from spikingsail.launchers.request import parse_request
 
-    request = parse_request([*launch_flags, *_job(launch_flags)])  # a bad hostfile stops here, before any ssh
+    request = parse_request([*launch_flags, "-m", ALLREDUCE])  # a bad hostfile stops here, before any ssh
     with ThreadPoolExecutor(max_workers=1) as pool:
         reference = pool.submit(run_here, [], timeout)
         results = probe_nodes(request, timeout)
@@ -98,16 +94,6 @@ def _nodes(launch_flags: list[str], report: Report, timeout: float) -> None:
         )
     else:
         report.findings.append(_allreduce(request, timeout))
-
-
-def _job(launch_flags: list[str]) -> list[str]:
-    """The all-reduce as `sail launch` takes it: ``-m MODULE``, or the file for script launchers."""
-    script = any(f"--launcher={name}" in launch_flags for name in _SCRIPT_LAUNCHERS) or any(
-        a == "--launcher" and b in _SCRIPT_LAUNCHERS for a, b in itertools.pairwise(launch_flags)
-    )
-    return (
-        [str(Path(__file__).parent.parent / "diagnostics" / "allreduce.py")] if script else ["-m", ALLREDUCE]
-    )
 
 
 def _default_nproc(launch_flags: list[str]) -> list[str]:
@@ -137,5 +123,6 @@ def _allreduce(request: LaunchRequest, timeout: float) -> Finding:
     return fail(
         "all-reduce",
         f"through {request.launcher}: {detail}",
-        "read the output above; across nodes check GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME and firewalls",
+        "the job's last lines are above; across nodes check GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME and "
+        "firewalls",
     )

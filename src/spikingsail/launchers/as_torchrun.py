@@ -1,11 +1,12 @@
 """Run a plain torchrun script under launchers that are not torchrun (mpirun, srun tasks).
 
     python -m spikingsail.launchers.as_torchrun train.py ARGS...
+    python -m spikingsail.launchers.as_torchrun -m package.module ARGS...   (as torchrun -m)
 
 A script written for torchrun reads RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT (``init_process_group("nccl")`` with env://). mpirun and srun describe the process in
 their own variables; this shim reads them through SpikingSail's rank discovery, exports torchrun's
-names, and runs the script as ``__main__``.
+names, and runs the script (or module) as ``__main__``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from spikingsail.launchers.request import LaunchRequest
 
 
 def shimmed(request: LaunchRequest) -> list[str]:
-    """The argv that runs the request's script through this shim, with the launching Python."""
-    return [sys.executable, "-u", "-m", __name__, request.script, *request.script_args]
+    """The argv that runs the request's script (or module) through this shim, with the launching Python."""
+    module = ["-m"] if request.runs_module else []
+    return [sys.executable, "-u", "-m", __name__, *module, request.script, *request.script_args]
 
 
 def torchrun_variables() -> dict[str, str]:
@@ -38,15 +40,19 @@ def torchrun_variables() -> dict[str, str]:
 
 
 def main() -> None:
-    if len(sys.argv) < 2:
-        sys.exit("usage: python -m spikingsail.launchers.as_torchrun SCRIPT [ARGS...]")
+    module = sys.argv[1:2] == ["-m"]
+    args = sys.argv[2:] if module else sys.argv[1:]
+    if not args:
+        sys.exit("usage: python -m spikingsail.launchers.as_torchrun [-m MODULE | SCRIPT] [ARGS...]")
     try:
         os.environ.update(torchrun_variables())
     except SailError as err:
         sys.exit(f"sail: {err}")
-    script = sys.argv[1]
-    sys.argv = sys.argv[1:]
-    runpy.run_path(script, run_name="__main__")
+    sys.argv = args
+    if module:
+        runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(args[0], run_name="__main__")
 
 
 if __name__ == "__main__":

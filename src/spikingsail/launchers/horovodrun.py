@@ -44,7 +44,6 @@ _PER_PROCESS = frozenset(
         "HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS", "HOROVOD_GLOO_IFACE",
     }
 )  # fmt: skip
-_MODULE_FLAGS = ("-m", "--module")
 _NO_PYTHON_FLAGS = ("--no-python", "--no_python")
 
 
@@ -87,7 +86,7 @@ def _program(request: LaunchRequest) -> list[str]:
     flags = {arg.split("=", 1)[0] for arg in request.torchrun_args}
     if flags & set(_NO_PYTHON_FLAGS):
         return [request.script, *request.script_args]
-    if flags & set(_MODULE_FLAGS):
+    if request.runs_module:
         return [sys.executable, "-m", request.script, *request.script_args]
     return [sys.executable, request.script, *request.script_args]
 

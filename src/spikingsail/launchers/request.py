@@ -39,6 +39,7 @@ _PER_NODE_FLAGS = {
 _RENDEZVOUS_FLAGS = tuple(f for f in _PER_NODE_FLAGS if "nproc" not in f)
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 LAUNCHERS = ("local", "ssh", "pdsh", "mpirun", "slurm", "horovodrun")
+MODULE_FLAGS = ("-m", "--module")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -81,6 +82,11 @@ class LaunchRequest:
     explicit_nproc: bool = False
     explicit_master_port: bool = False
     dry_run: bool = False
+
+    @property
+    def runs_module(self) -> bool:
+        """``-m``: the script is a module name, as for ``python -m`` (torchrun's flag)."""
+        return any(arg.split("=", 1)[0] in MODULE_FLAGS for arg in self.torchrun_args)
 
 
 def require_first_slots(request: LaunchRequest, launcher: str) -> None:

@@ -127,3 +127,28 @@ def test_a_checkpoint_resumes_under_the_other_backend(tmp_path: Path, first: str
         assert resumed[rank]["local_rows"] == (16 if then == "fsdp" else 32)
         for key, value in straight[rank]["params"].items():
             torch.testing.assert_close(resumed[rank]["params"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def gloo_threads(backend: str) -> tuple[list[str], list[str]]:
+    """Names of this process's gloo threads while the engine trains, and after close()."""
+
+    def names() -> list[str]:
+        tasks = Path("/proc/self/task")
+        return sorted(n for t in tasks.iterdir() if "gloo" in (n := (t / "comm").read_text().strip()))
+
+    net = model()
+    engine, _ = spikingsail.initialize(model=net, config=config(backend))
+    x, y = data().tensors
+    engine.backward(F.cross_entropy(engine(x[:4]), y[:4]))
+    training = names()
+    engine.close()
+    # net stays alive, as in a script that keeps its model after training
+    return training, names()
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+def test_close_ends_gloos_threads_while_the_model_lives_on(backend: str) -> None:
+    # Threads of a destroyed group that live on are joined at interpreter shutdown, where they can
+    # crash the process (SIGSEGV / SIGABRT at exit).
+    for training, closed in run_ranks(gloo_threads, 2, backend).values():
+        assert "pt_gloo_runloop" in training and closed == [], (training, closed)

@@ -92,5 +92,40 @@ class FSDPBackend(ProcessGroupBackend):
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def teardown(self) -> None:
-        self.root = None
+        root, self.root = self.root, None
+        owned = self._owns_group
         super().teardown()
+        if isinstance(root, torch.nn.Module) and owned:
+            _release_process_group(root)
+
+
+def _release_process_group(root: torch.nn.Module) -> None:
+    """Drop FSDP2's references to the process group that was just destroyed.
+
+    The user's model stays an FSDP module after ``close()``, and FSDP2 keeps the gloo group alive
+    through its mesh infos and every DeviceMesh's group registry (DTensor's sharding caches keep the
+    meshes alive even after the model is gone). gloo's threads then live into interpreter shutdown,
+    where joining them can crash the process (SIGSEGV / SIGABRT at exit), as DDP's did before its
+    module was dropped. These are torch's private attributes, read with getattr: under another torch
+    version this does less, never more.
+    """
+    meshes: dict[int, Any] = {}
+    for module in root.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+        for info in (getattr(group, "mesh_info", None), getattr(group, "post_forward_mesh_info", None)):
+            if info is None:
+                continue
+            meshes[id(info.mesh)] = info.mesh
+            for name in ("shard_process_group", "reduce_scatter_process_group", "replicate_process_group"):
+                if hasattr(info, name):
+                    setattr(info, name, None)
+    for parameter in root.parameters():
+        mesh = getattr(parameter, "device_mesh", None)
+        if mesh is not None:
+            meshes[id(mesh)] = mesh
+    for mesh in meshes.values():
+        registry = getattr(mesh, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()

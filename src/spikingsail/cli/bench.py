@@ -15,6 +15,7 @@ from spikingsail.cli import launch
 from spikingsail.diagnostics.comm_bench import SweepConfig, add_arguments, sweep_config
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.request import parser as launch_parser
+from spikingsail.launchers.request import with_default_nproc
 
 _USAGE = """usage: sail bench <benchmark> [options]
 
@@ -44,7 +45,6 @@ examples:
 """
 _BENCHMARKS = ("comm",)
 JOB_MODULE = "spikingsail.diagnostics.comm_bench"
-_PROCESS_COUNT_FLAGS = ("-n", "--nproc-per-node", "--nproc_per_node", "-H", "--hostfile")
 
 
 def run(argv: list[str]) -> int:
@@ -84,18 +84,8 @@ def run_comm(argv: list[str]) -> int:
 def comm_launch_argv(config: SweepConfig, launch_flags: list[str]) -> list[str]:
     """``[*launch_flags, -m, the job module, *its options]``, with ``-n 2`` unless told otherwise."""
     _check_flags_only(launch_flags)
-    flags = list(launch_flags)
-    if not any(_flag_name(a) in _PROCESS_COUNT_FLAGS for a in flags):
-        flags = ["-n", "2", *flags]
+    flags = with_default_nproc(launch_flags, 2)
     return [*flags, "-m", JOB_MODULE, *config.job_args()]
-
-
-def _flag_name(arg: str) -> str:
-    if arg.startswith("--"):
-        return arg.split("=", 1)[0]
-    if arg[:2] in ("-n", "-H") and arg != "-np" and len(arg) > 2:  # -n2, -Hhostfile
-        return arg[:2]
-    return arg
 
 
 def _check_flags_only(launch_flags: list[str]) -> None:

@@ -62,9 +62,9 @@ def _here(launch_flags: list[str], report: Report, timeout: float) -> None:
         report.findings += machine_findings(here.facts, report, nproc=2)
         report.findings.append(fail("all-reduce", "not tried: torch does not import", "fix torch first"))
         return
-    from spikingsail.launchers.request import parse_request
+    from spikingsail.launchers.request import parse_request, with_default_nproc
 
-    request = parse_request([*_default_nproc(launch_flags), "-m", ALLREDUCE])
+    request = parse_request([*with_default_nproc(launch_flags, 2), "-m", ALLREDUCE])
     nproc = int(request.nproc_per_node) if request.nproc_per_node.isdigit() else 1
     report.findings += machine_findings(here.facts, report, nproc=nproc)
     report.findings.append(_allreduce(request, timeout))
@@ -94,13 +94,6 @@ def _nodes(launch_flags: list[str], report: Report, timeout: float) -> None:
         )
     else:
         report.findings.append(_allreduce(request, timeout))
-
-
-def _default_nproc(launch_flags: list[str]) -> list[str]:
-    """A process group needs two processes: -n 2 unless the flags say otherwise."""
-    given = any(a.split("=")[0] in ("-n", "--nproc-per-node", "--nproc_per_node") or a.startswith("-n")
-                for a in launch_flags)  # fmt: skip
-    return launch_flags if given else ["-n", "2", *launch_flags]
 
 
 def _allreduce(request: LaunchRequest, timeout: float) -> Finding:

@@ -266,6 +266,13 @@ def _script_index(argv: list[str], script: str, script_args: list[str]) -> int:
     raise LaunchError(f"cannot find the training script {script!r} in the command line")
 
 
+def with_default_nproc(flags: list[str], nproc: int) -> list[str]:
+    """``flags`` led by ``-n NPROC`` unless they choose a process count or hosts themselves: for
+    jobs that need a process group to mean anything (`sail doctor`, `sail bench comm`)."""
+    chosen = _flag_name_in(flags, ("-n", "--nproc-per-node", "--nproc_per_node", "-H", "--hostfile"))
+    return flags if chosen or any(a.startswith("-H") for a in flags) else ["-n", str(nproc), *flags]
+
+
 def _flag_name(arg: str) -> str:
     if arg.startswith("-n") and arg[2:].isdigit():
         return "-n"

@@ -92,6 +92,25 @@ def test_a_worker_killed_on_node2_stops_both_nodes(
     assert time.monotonic() - start < 120
 
 
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
+def test_a_rank_failing_after_its_peers_finished_ends_the_job_at_once(
+    cluster: NamespaceCluster, tmp_path: Path, launcher: str
+) -> None:
+    # node1's agent is done and waits in torchrun's exit barrier for node2's, which failed and
+    # never comes: 300 s, unless the launcher stops the job when node2 fails. pdsh itself returns
+    # only when every host is done; its report of node2's exit is what ends the job.
+    start = time.monotonic()
+    code, out, err = launch(cluster, tmp_path, "--launcher", launcher, job_args=("--exit-rank", "1"))
+    assert code != 0
+    assert "node node2 failed" in err, err
+    assert "rank 1 (local rank 0) exited with 3" in err, err
+    assert [r["rank"] for r in records(tmp_path)] == [0, 1]  # both ranks did their work
+    # node1's agent does not answer the hang-up from inside its barrier; it is killed, and named
+    assert "killed torchrun agent" in out, out[-3000:]
+    assert_no_job_left(cluster)
+    assert time.monotonic() - start < 120
+
+
 def test_unreachable_host_fails_fast_and_starts_nothing(cluster: NamespaceCluster, tmp_path: Path) -> None:
     hostfile(tmp_path, "node1 slots=1\nnode3 slots=1\n")
     argv = [

@@ -41,6 +41,37 @@ def agent_argv(request: LaunchRequest, node: Node, rdzv: Rendezvous) -> list[str
     ]  # fmt: skip
 
 
+# How long a node's agents have, after their connection was cut, to stop their workers.
+AGENT_GRACE_SECONDS = 15
+
+
+def leftover_cleanup(rdzv: Rendezvous) -> str:
+    """A shell line for a node whose connection was cut: the job's torchrun agents get
+    ``AGENT_GRACE_SECONDS`` to stop their workers on the hang-up, then whatever is left of them,
+    agents and workers, is killed and named.
+
+    An agent answers a hang-up only between Python calls. One waiting in torchrun's exit barrier
+    for an agent that failed (and so never arrives) sits in a store wait for 300 s, holding the
+    rendezvous port. The agents are found by the job's rendezvous id on their command line.
+    """
+    pattern = shlex.quote("--rdzv-id " + _literal_pattern(rdzv.run_id))
+    ticks = AGENT_GRACE_SECONDS * 2
+    script = (
+        f"i=0; while pgrep -f -- {pattern} >/dev/null && [ $i -lt {ticks} ]; do sleep 0.5; i=$((i+1)); done; "
+        f"for p in $(pgrep -f -- {pattern}); do pkill -KILL -P $p; kill -KILL $p && "
+        'echo "killed torchrun agent $p on $(hostname): it did not stop on the hang-up"; '
+        "done; true"
+    )
+    return f"sh -c {shlex.quote(script)}"
+
+
+def _literal_pattern(text: str) -> str:
+    """An extended regular expression that matches ``text`` but not its own spelling, so that
+    pgrep does not find the shell that runs it: every character in brackets of its own, where
+    nothing is special but a leading ``^``."""
+    return "".join("\\^" if c == "^" else f"[{c}]" for c in text)
+
+
 def node_env(node: Node, shipped: dict[str, str]) -> dict[str, str]:
     env = dict(shipped)
     if node.slots != tuple(range(node.nproc)):

@@ -19,6 +19,12 @@ class LaunchCommand:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     """Variables set on top of the launching environment."""
+    node_failure: str | None = None
+    """A regular expression for an output line saying that one of the command's nodes failed
+    while the command runs on for the others (pdsh reports each host's exit as it happens);
+    named groups ``host`` and ``code`` or ``signal``. The job is stopped at such a line."""
+    cleanup: list[str] | None = None
+    """Run when the command had to be stopped: ends what it may have left running on its hosts."""
 
     def render(self) -> str:
         assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))

@@ -2,6 +2,11 @@
 
 pdsh runs one command line on many hosts, so hosts are grouped by what differs per node (their
 slots); ``-S`` makes pdsh return the largest remote exit status instead of 0.
+
+pdsh returns only when every host is done, but reports each host's failure as it happens. A node
+whose rank failed after the others finished would otherwise keep the job waiting in the healthy
+agents' exit barrier (torchrun waits 300 s for the failed agent, which never arrives), so the job
+is stopped at that report, and agents that outlive their connection are killed afterwards.
 """
 
 from __future__ import annotations
@@ -10,10 +15,23 @@ import shlex
 import shutil
 from itertools import groupby
 
-from spikingsail.launchers.agents import Rendezvous, agent_argv, node_env, remote_shell_command
+from spikingsail.launchers.agents import (
+    Rendezvous,
+    agent_argv,
+    leftover_cleanup,
+    node_env,
+    remote_shell_command,
+)
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.remote_env import remote_env
 from spikingsail.launchers.request import LaunchRequest
+
+# pdsh's own reports of a host's remote command ("%p: %S: %s exited with exit code %d" and
+# its siblings), e.g. "pdsh@node1: node2: ssh exited with exit code 1".
+NODE_FAILURE = (
+    r"^pdsh@[^:\s]+: (?P<host>[^:\s]+): \S+ "
+    r"(?:exited with exit code (?P<code>\d+)|killed by signal (?P<signal>\d+)|exited with nonzero status)"
+)
 
 
 class PdshLauncher:
@@ -31,12 +49,15 @@ class PdshLauncher:
         commands = []
         for _slots, group in groupby(sorted(request.nodes, key=lambda n: n.slots), key=lambda n: n.slots):
             nodes = list(group)
+            hosts = ",".join(n.host for n in nodes)
             remote = remote_shell_command(agent_argv(request, nodes[0], rdzv), node_env(nodes[0], shipped))
             commands.append(
                 LaunchCommand(
-                    host=",".join(n.host for n in nodes),
-                    argv=["pdsh", "-S", "-f", "1024", "-w", ",".join(n.host for n in nodes), remote],
+                    host=hosts,
+                    argv=["pdsh", "-S", "-f", "1024", "-w", hosts, remote],
                     env={"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": shlex.join(ssh_args)},
+                    node_failure=NODE_FAILURE,
+                    cleanup=["pdsh", "-f", "1024", "-w", hosts, leftover_cleanup(rdzv)],
                 )
             )
         return commands

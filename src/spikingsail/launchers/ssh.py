@@ -2,14 +2,21 @@
 
 ``ssh -tt`` gives the remote agent a terminal: when the connection ends — the job is stopped,
 another node failed, the launching machine died — the agent gets SIGHUP and stops its workers,
-so nothing is left running on the node.
+so nothing is left running on the node. An agent that does not answer the hang-up (one waiting
+in torchrun's exit barrier) is killed over a second connection once the grace period is over.
 """
 
 from __future__ import annotations
 
 import shutil
 
-from spikingsail.launchers.agents import Rendezvous, agent_argv, node_env, remote_shell_command
+from spikingsail.launchers.agents import (
+    Rendezvous,
+    agent_argv,
+    leftover_cleanup,
+    node_env,
+    remote_shell_command,
+)
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.remote_env import remote_env
 from spikingsail.launchers.request import LaunchRequest
@@ -33,6 +40,7 @@ class SSHLauncher:
                     "ssh", "-tt", *request.ssh.args(), node.host,
                     remote_shell_command(agent_argv(request, node, rdzv), node_env(node, shipped)),
                 ],
+                cleanup=["ssh", *request.ssh.args(), node.host, leftover_cleanup(rdzv)],
             )
             for node in request.nodes
         ]  # fmt: skip

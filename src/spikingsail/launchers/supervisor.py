@@ -21,11 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
+from spikingsail.launchers.agents import AGENT_GRACE_SECONDS
 from spikingsail.launchers.command import LaunchCommand
 
 TAIL_LINES = 80
 TIMED_OUT = 124
 _GRACE_SECONDS = 15.0
+# A cleanup waits out the agents' own grace period, plus time to connect.
+_CLEANUP_SECONDS = AGENT_GRACE_SECONDS + 45.0
 # torchrun's failure summary, possibly behind pdsh's "node2: " prefixes:
 #   time      : 2026-11-22_03:03:39
 #   host      : node2
@@ -44,6 +47,8 @@ class Running:
     command: LaunchCommand
     process: subprocess.Popen[bytes]
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    failed_node: tuple[str, int] | None = None
+    """(host, exit status) of a node the command reported failed while it runs on."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -119,9 +124,10 @@ def supervise(
     try:
         failure = _wait(running, stop, None if timeout is None else time.monotonic() + timeout)
     finally:
-        _stop_all(running)
+        stopped = _stop_all(running)
         for relay in relays:
             relay.join(timeout=5)
+        _clean_up(stopped, output)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if stop:
@@ -146,10 +152,22 @@ def _start(command: LaunchCommand) -> Running:
 def _relay(run: Running, output: Callable[[str], None]) -> None:
     assert run.process.stdout is not None
     prefix = f"[{run.command.host}] "
+    node_failure = re.compile(run.command.node_failure) if run.command.node_failure else None
     for raw in iter(run.process.stdout.readline, b""):
         line = raw.decode(errors="replace").rstrip("\r\n").replace("\r", "")
         run.tail.append(line)
         output(prefix + line)
+        if node_failure is not None and run.failed_node is None and (found := node_failure.search(line)):
+            run.failed_node = (found["host"], _exit_status(found.groupdict()))
+
+
+def _exit_status(reported: dict[str, str | None]) -> int:
+    """A shell's exit status for a reported exit code or signal (any other failure: 1)."""
+    if reported.get("code"):
+        return int(reported["code"] or 1)
+    if reported.get("signal"):
+        return 128 + int(reported["signal"] or 0)
+    return 1
 
 
 def _wait(running: list[Running], stop: list[int], deadline: float | None) -> Failure | None:
@@ -159,6 +177,10 @@ def _wait(running: list[Running], stop: list[int], deadline: float | None) -> Fa
             if code not in (None, 0):
                 time.sleep(0.3)  # let the relay catch the last lines
                 return Failure(host=run.command.host, exit_code=code, tail=list(run.tail))
+            if run.failed_node is not None:
+                host, node_code = run.failed_node
+                time.sleep(0.3)
+                return Failure(host=host, exit_code=node_code, tail=list(run.tail))
         if all(code == 0 for _, code in states):
             return None
         if deadline is not None and time.monotonic() > deadline:
@@ -168,7 +190,8 @@ def _wait(running: list[Running], stop: list[int], deadline: float | None) -> Fa
     return None
 
 
-def _stop_all(running: list[Running]) -> None:
+def _stop_all(running: list[Running]) -> list[Running]:
+    """Stop the commands still running (SIGTERM, then SIGKILL after the grace period); returns them."""
     alive = [r for r in running if r.process.poll() is None]
     for run in alive:
         _signal_tree(run.process.pid, signal.SIGTERM)
@@ -179,6 +202,30 @@ def _stop_all(running: list[Running]) -> None:
         except subprocess.TimeoutExpired:
             _signal_tree(run.process.pid, signal.SIGKILL)
             run.process.wait()
+    return alive
+
+
+def _clean_up(stopped: list[Running], output: Callable[[str], None]) -> None:
+    """Run the cleanup of every stopped command that has one, side by side; relay what they say."""
+    cleanups = [(r.command.host, r.command.cleanup, r.command.env) for r in stopped if r.command.cleanup]
+    if not cleanups:
+        return
+    procs = [
+        (host, argv, subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        for host, argv, env in cleanups
+    ]  # fmt: skip
+    for host, argv, proc in procs:
+        try:
+            said, _ = proc.communicate(timeout=_CLEANUP_SECONDS)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            said, _ = proc.communicate()
+        for line in said.decode(errors="replace").splitlines():
+            output(f"[{host}] {line}")
+        if proc.returncode != 0:
+            output(f"[{host}] could not check for processes the job left (exit status {proc.returncode} "
+                   f"from {argv[0]}); look for its torchrun agents there")  # fmt: skip
 
 
 def _signal_tree(root: int, signum: int) -> None:

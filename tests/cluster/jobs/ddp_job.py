@@ -1,6 +1,9 @@
 """A small engine job for the cluster tests: trains, then records what each rank ended with.
 
-ddp_job.py OUT_DIR [--steps N] [--die-rank R --die-step S]
+ddp_job.py OUT_DIR [--steps N] [--die-rank R --die-step S] [--exit-rank R --exit-code C]
+
+--exit-rank: that rank exits with status C 3 s after the job is done and the engine closed,
+when the other ranks' agents are waiting for it in torchrun's exit barrier.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import json
 import os
 import signal
 import socket
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +30,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--die-rank", type=int, default=-1)
     parser.add_argument("--die-step", type=int, default=3)
+    parser.add_argument("--exit-rank", type=int, default=-1)
+    parser.add_argument("--exit-code", type=int, default=3)
     args = parser.parse_args()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
@@ -56,6 +63,9 @@ def main() -> None:
     }
     (args.out / f"rank{engine.rank}.json").write_text(json.dumps(record))
     engine.close()
+    if engine.rank == args.exit_rank:
+        time.sleep(3)
+        sys.exit(args.exit_code)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@ session's two-node test cluster for the tests that ask for it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -48,8 +50,7 @@ def _clean_process_state() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def cluster() -> Iterator[NamespaceCluster]:
-    """The two-node test cluster (tests/cluster/harness.py), built once per test session."""
+def _cluster_session() -> Iterator[NamespaceCluster]:
     workdir = Path(tempfile.mkdtemp(prefix="sail-cluster-"))
     test_cluster = NamespaceCluster(workdir)
     try:
@@ -60,7 +61,29 @@ def cluster() -> Iterator[NamespaceCluster]:
 
 
 @pytest.fixture(scope="session")
-def slurm(cluster: NamespaceCluster) -> NamespaceCluster:
+def _slurm_session(_cluster_session: NamespaceCluster) -> NamespaceCluster:
+    _cluster_session.start_slurm()
+    return _cluster_session
+
+
+@pytest.fixture
+def cluster(_cluster_session: NamespaceCluster) -> Iterator[NamespaceCluster]:
+    """The two-node test cluster (tests/cluster/harness.py), built once per test session."""
+    yield _cluster_session
+    _end_what_the_test_left(_cluster_session)
+
+
+@pytest.fixture
+def slurm(_slurm_session: NamespaceCluster) -> Iterator[NamespaceCluster]:
     """The same two nodes with munge, slurmctld (node1) and a slurmd on each node."""
-    cluster.start_slurm()
-    return cluster
+    yield _slurm_session
+    _end_what_the_test_left(_slurm_session)
+
+
+def _end_what_the_test_left(test_cluster: NamespaceCluster) -> None:
+    """Kill what a test left on the nodes (a failed one may leave its job running) so that the next
+    test starts on clean nodes: one failure is reported once, not again by every later test that
+    finds the port taken. Tests that launch jobs check for leftovers themselves, before this."""
+    for pid in test_cluster.job_processes():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

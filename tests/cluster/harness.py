@@ -18,6 +18,8 @@ from pathlib import Path
 
 REQUIRED = ("ip", "nsenter", "unshare", "ssh", "ssh-keygen", "/usr/sbin/sshd")
 SUBNET = "10.99.0"
+# The cluster's own services; anything else on a node is a job's, or a test's.
+DAEMONS = ("/usr/sbin/sshd", "sshd:", "/usr/sbin/slurmctld", "slurmctld:", "/usr/sbin/slurmd")
 
 
 class ClusterUnavailableError(RuntimeError):
@@ -85,14 +87,18 @@ class NamespaceCluster:
         ).stdout
         return [int(p) for p in out.split()]
 
-    def commands_on(self, name: str) -> list[str]:
-        lines = []
-        for pid in self.pids(name):
-            try:
-                lines.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip())
-            except OSError:
-                continue
-        return lines
+    def job_processes(self) -> dict[int, str]:
+        """Every process on the nodes that is not one of the cluster's services, by pid."""
+        found = {}
+        for name in self.names:
+            for pid in self.pids(name):
+                try:
+                    command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                except OSError:
+                    continue
+                if not command.startswith(DAEMONS):
+                    found[pid] = command
+        return found
 
     def kill_namespace_processes(self, name: str) -> None:
         for pid in self.pids(name):

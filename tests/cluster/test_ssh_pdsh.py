@@ -16,8 +16,6 @@ from tests.cluster.harness import NamespaceCluster
 pytestmark = pytest.mark.cluster
 JOB = Path(__file__).with_name("jobs") / "ddp_job.py"
 SAIL = [sys.executable, "-m", "spikingsail.cli.main", "launch"]
-# The cluster's own services; anything else on a node after a job is a leftover of the job.
-DAEMONS = ("/usr/sbin/sshd", "sshd:", "/usr/sbin/slurmctld", "slurmctld:", "/usr/sbin/slurmd")
 
 
 def hostfile(tmp_path: Path, text: str = "node1 slots=1\nnode2 slots=1\n") -> Path:
@@ -51,9 +49,7 @@ def records(tmp_path: Path) -> list[dict[str, object]]:
 def assert_no_job_left(cluster: NamespaceCluster) -> None:
     deadline = time.monotonic() + 20
     while True:
-        leftovers = [
-            c for node in cluster.names for c in cluster.commands_on(node) if not c.startswith(DAEMONS)
-        ]
+        leftovers = list(cluster.job_processes().values())
         if not leftovers:
             return
         assert time.monotonic() < deadline, f"processes left on the nodes: {leftovers}"

@@ -233,11 +233,33 @@ engine.close()
 """
 
 
-def test_one_process_without_a_launcher_trains_in_fp16() -> None:
+def deepspeed_supports_fp16() -> bool:
+    """The probe DeepSpeed itself makes: its accelerator (here the CPU one, which needs AVX512-FP16
+    or AMX-FP16 for fp16) asked in a fresh process, as the engine under test will ask it."""
+    probe = "from deepspeed.accelerator import get_accelerator; print(get_accelerator().is_fp16_supported())"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_one_process_without_a_launcher_trains_in_fp16_or_refuses_clearly() -> None:
     # DeepSpeed wants LOCAL_RANK from a launcher, and a process group: the backend provides both
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     result = subprocess.run(
         [sys.executable, "-c", SINGLE], capture_output=True, text=True, timeout=120, env=env
     )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().splitlines()[-1] == "result 3 torch.float16 True 256.0 0"
+    if deepspeed_supports_fp16():
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip().splitlines()[-1] == "result 3 torch.float16 True 256.0 0"
+        return
+    # a CPU without fp16 instructions (an AMD EPYC without AVX512-FP16, say): SpikingSail's own
+    # refusal, naming the key, the reason and what to do, before DeepSpeed's bare ValueError
+    assert result.returncode != 0
+    assert "fp16.enabled is true with the deepspeed backend" in result.stderr
+    assert "DeepSpeed's cpu accelerator has no fp16 support on this machine" in result.stderr
+    assert "AVX512-FP16 or AMX-FP16" in result.stderr
+    assert "fix: set fp16.enabled to false" in result.stderr
+    assert "Type fp16 is not supported on your device" not in result.stderr

@@ -120,6 +120,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
             ds_config.setdefault("zero_allow_untested_optimizer", True)
         if lr_scheduler is not None:
             ds_config.pop("scheduler", None)
+        self._require_precision_support()
         try:
             with _local_rank_in_environment(self.rank_info.local_rank):
                 engine, ds_optimizer, _, ds_scheduler = self.deepspeed.initialize(
@@ -146,6 +147,32 @@ class DeepSpeedBackend(ProcessGroupBackend):
             type(ds_optimizer).__name__,
         )
         return engine, ds_optimizer, ds_scheduler
+
+    def _require_precision_support(self) -> None:
+        """Refuse fp16/bf16 where DeepSpeed's accelerator lacks them, before DeepSpeed's own bare
+        ``ValueError: Type fp16 is not supported on your device``."""
+        if self._half is None:
+            return
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        key = "fp16" if self._half is torch.float16 else "bf16"
+        supported = accelerator.is_fp16_supported() if key == "fp16" else accelerator.is_bf16_supported()
+        if supported:
+            return
+        name = accelerator.device_name()
+        why = f"DeepSpeed's {name} accelerator has no {key} support on this machine"
+        if name == "cpu" and key == "fp16":
+            why += (
+                " (it needs a CPU with AVX512-FP16 or AMX-FP16 instructions: "
+                "torch.ops.mkldnn._is_mkldnn_fp16_supported() is False here)"
+            )
+        raise BackendError(
+            f"{self.config.source}: {key}.enabled is true with the deepspeed backend",
+            why,
+            f"set {key}.enabled to false (fp32{', or bf16.enabled' if key == 'fp16' else ''}), or use the "
+            f"ddp or fsdp backend, whose {key} autocast runs on any CPU; on GPUs that support {key} it works as it is",
+        )
 
     def prepare_inputs(self, inputs: Any) -> Any:
         # DeepSpeed turns the model itself into fp16/bf16; floating inputs must follow.

@@ -204,11 +204,15 @@ class Engine:
         due = bool(policy.interval_steps) and self.global_steps % policy.interval_steps == 0
         if policy.interval_seconds:
             # Ranks' clocks differ: rank 0's decides, or some ranks would enter the save alone.
+            # The flag is made on the collective's device and read back from the tensor the
+            # broadcast wrote (on a GPU, ``.to()`` of a CPU tensor is a copy).
             elapsed = torch.tensor(
-                [time.monotonic() - self._last_save >= policy.interval_seconds], dtype=torch.int32
+                [time.monotonic() - self._last_save >= policy.interval_seconds],
+                dtype=torch.int32,
+                device=self.device,
             )
             if dist.is_initialized():
-                dist.broadcast(elapsed.to(self.device), src=0)
+                dist.broadcast(elapsed, src=0)
             due = due or bool(elapsed.item())
         if due:
             self.save_checkpoint(policy.path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -91,3 +92,29 @@ def test_sigusr1_to_sail_launch_reaches_every_worker(tmp_path: Path) -> None:
     assert requeued.returncode == 0, requeued.stderr[-2000:]
     assert json.loads((out / "rank0.json").read_text())["started_at"] == stopped_at
     assert digest(out) == digest(tmp_path / "straight")
+
+
+PERIODIC_AND_PREEMPTED = """
+import os, signal, sys, torch, spikingsail
+from spikingsail.environments import RankInfo
+config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+          "sail": {"progress_bar": False}, "checkpoint": {"path": sys.argv[1], "interval_steps": 1}}
+engine, _ = spikingsail.initialize(model=torch.nn.Linear(4, 2), config=config, rank_info=RankInfo.single())
+for step in range(1, 4):
+    engine.backward(engine(torch.ones(1, 4)).sum())
+    if step == 2:
+        os.kill(os.getpid(), signal.SIGUSR1)  # preempted on a step that also saves periodically
+    engine.step()
+"""
+
+
+def test_a_preemption_on_a_periodic_save_step_writes_the_checkpoint_once(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(PERIODIC_AND_PREEMPTED)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "SAIL_LOG_LEVEL": "INFO"})  # fmt: skip
+    assert result.returncode == PREEMPTED_EXIT_CODE, result.stderr[-2000:]
+    saves = [line for line in result.stderr.splitlines() if "checkpoint saved:" in line]
+    assert [line.rsplit("/", 1)[-1] for line in saves] == ["global_step1", "global_step2"], result.stderr
+    assert "preempted by signal SIGUSR1: saved" in result.stderr
+    assert CheckpointStore(tmp_path / "ck").latest() == "global_step2"

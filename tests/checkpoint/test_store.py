@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -262,3 +263,57 @@ def test_a_rank_that_cannot_seal_fails_the_save_on_every_rank(tmp_path: Path) ->
     outcomes = run_ranks(seal_fails_on_rank_one, 2, str(tmp_path))
     assert outcomes == {0: "  why: rank 1: Input/output error", 1: "  why: rank 1: Input/output error"}
     assert CheckpointStore(tmp_path).latest() == "good" and CheckpointStore(tmp_path).tags() == ["good"]
+
+
+RESAVER = """
+import os, signal, sys, torch, spikingsail
+from spikingsail.environments import RankInfo
+config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+          "sail": {"progress_bar": False}}
+torch.manual_seed(0)
+engine, _ = spikingsail.initialize(model=torch.nn.Linear(3, 2), config=config, rank_info=RankInfo.single())
+engine.backward(engine(torch.ones(1, 3)).sum()); engine.step()
+engine.save_checkpoint(sys.argv[1], tag="same")
+print("saved", flush=True)
+engine.backward(engine(torch.ones(1, 3)).sum()); engine.step()
+real_replace = os.replace
+def dying_replace(src, dst):
+    if os.path.basename(str(src)).startswith(".staging-"):  # the new checkpoint is about to go in
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_replace(src, dst)
+os.replace = dying_replace
+engine.save_checkpoint(sys.argv[1], tag="same")
+"""
+
+
+def test_a_crash_while_a_tag_is_saved_again_keeps_the_old_checkpoint(tmp_path: Path) -> None:
+    script = tmp_path / "resaver.py"
+    script.write_text(RESAVER)
+    root = tmp_path / "ckpt"
+    result = subprocess.run(
+        [sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    assert result.stdout.split() == ["saved"]
+    store = CheckpointStore(root)
+    assert store.latest() == "same"
+    assert store.resolve(None) == "same"  # put back from where the re-save moved it
+    assert store.metadata("same")["global_steps"] == 1
+    resumed = engine({"path": str(root)})
+    resumed.load_checkpoint(root)
+    assert resumed.global_steps == 1
+    resumed.close()
+
+
+def test_a_resume_whose_latest_names_a_lost_checkpoint_fails_loudly(two_checkpoints: Path) -> None:
+    store = CheckpointStore(two_checkpoints)
+    for tag in store.tags():
+        shutil.rmtree(two_checkpoints / tag)
+    assert store.latest() is not None
+    with pytest.raises(CheckpointError, match=r"no loadable checkpoint in .*'latest' names global_step2"):
+        spikingsail.initialize(
+            model=torch.nn.Linear(3, 2),
+            config={"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                    "sail": {"progress_bar": False}},
+            rank_info=RankInfo.single(), checkpoints_path=str(two_checkpoints), resume=True,
+        )  # fmt: skip

@@ -4,7 +4,9 @@ A checkpoint ``ROOT/TAG/`` is written into ``ROOT/.staging-TAG/``, every file fs
 ``manifest.json`` with each file's size and SHA-256 written last, then the directory is renamed
 into place and ``ROOT/latest`` (the tag) replaced atomically. A crash before the rename leaves the
 previous checkpoint and ``latest`` untouched; staging directories are cleared on the next save.
-Loading verifies the manifest; asking for "latest" falls back to the newest checkpoint that
+Saving a tag that exists moves the old directory aside (``ROOT/.replaced-TAG/``) before the new one is
+renamed into place, and deletes it after; a crash in between leaves the old one aside, and the next
+save or load puts it back. Loading verifies the manifest; asking for "latest" falls back to the newest checkpoint that
 verifies, and says so.
 """
 
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STAGING = ".staging-"
+_REPLACED = ".replaced-"
 
 
 class CheckpointError(SailError):
@@ -46,6 +49,7 @@ class CheckpointStore:
         """A fresh, empty staging directory for ``tag`` (rank 0 only)."""
         _check_tag(tag)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.recover()
         for stale in self.root.glob(f"{_STAGING}*"):
             shutil.rmtree(stale, ignore_errors=True)
         staging = self.staging(tag)
@@ -72,12 +76,31 @@ class CheckpointStore:
         for directory in sorted({p.parent for p in staging.rglob("*")} | {staging}):
             _fsync_dir(directory)
         final = self.root / tag
+        aside = self.root / f"{_REPLACED}{tag}"
         if final.exists():
-            shutil.rmtree(final)  # saving the same tag again replaces it
+            # Saving the same tag again: the old checkpoint stays whole until the new one is in place.
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
+            _fsync_dir(self.root)
         os.replace(staging, final)
         _fsync_dir(self.root)
         _write_durably(self.root / LATEST, tag)
+        shutil.rmtree(aside, ignore_errors=True)
         return final
+
+    def recover(self) -> None:
+        """Put back a checkpoint moved aside by a re-save that died before its replacement was in
+        place; drop one whose replacement is complete."""
+        if not self.root.is_dir():
+            return
+        for aside in self.root.glob(f"{_REPLACED}*"):
+            final = self.root / aside.name.removeprefix(_REPLACED)
+            if final.exists():
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                log.warning("a re-save of %s did not finish: restoring the previous %s", final.name, final)
+                os.replace(aside, final)
+                _fsync_dir(self.root)
 
     def prune(self, keep_last: int) -> None:
         """Delete all but the newest ``keep_last`` checkpoints (after a new one is complete)."""
@@ -92,7 +115,7 @@ class CheckpointStore:
         """Complete checkpoints (with a manifest), oldest first."""
         if not self.root.is_dir():
             return []
-        found = [p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(_STAGING)]
+        found = [p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")]
         return [p.name for p in sorted(found, key=_manifest_time) if (p / MANIFEST).is_file()]
 
     def latest(self) -> str | None:
@@ -133,6 +156,7 @@ class CheckpointStore:
 
     def resolve(self, tag: str | None) -> str:
         """The tag to load: ``tag`` verified, or the newest checkpoint that verifies."""
+        self.recover()
         if tag is not None:
             self.verify(tag)
             return tag
@@ -153,11 +177,19 @@ class CheckpointStore:
                     "checkpoint fallback: %s; resuming from %s instead", "; ".join(problems), candidate
                 )
             return candidate
+        named = f" ('{LATEST}' names {latest})" if latest else ""
         raise CheckpointError(
-            f"no loadable checkpoint in {self.root}",
+            f"no loadable checkpoint in {self.root}{named}",
             "; ".join(problems) or "the directory holds no complete checkpoint",
             "check --checkpoints-path, or start without --resume",
         )
+
+    def has_checkpoints(self) -> bool:
+        """Whether a resume should load from here: a complete checkpoint, or a ``latest`` pointer
+        (which promises one, so that losing every checkpoint fails loudly instead of starting over).
+        Reads only: every rank asks, and rank 0's ``resolve`` does any recovery."""
+        moved_aside = self.root.is_dir() and any(self.root.glob(f"{_REPLACED}*"))
+        return bool(self.tags()) or self.latest() is not None or moved_aside
 
     def metadata(self, tag: str) -> dict[str, Any]:
         data: dict[str, Any] = json.loads((self.root / tag / MANIFEST).read_text())

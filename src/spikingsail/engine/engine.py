@@ -92,6 +92,7 @@ class Engine:
         self.loaders: list[ShardedLoader] = []
         self._pending_loader_states: dict[int, dict[str, int]] = {}
         self._last_save = time.monotonic()
+        self._last_saved: tuple[str, int] | None = None  # (directory, micro_steps) of the last save
         self._pending_save: engine_state.SaveHandle | None = None
         self._ckpt_group: dist.ProcessGroup | None = None
         self._preemption = PreemptionWatch(
@@ -156,7 +157,14 @@ class Engine:
 
     def _save_and_exit_for_requeue(self) -> None:
         assert self.config.checkpoint.path is not None  # the watch is armed only with a path
-        path = self.save_checkpoint(self.config.checkpoint.path, async_save=False)
+        root = self.config.checkpoint.path
+        if self._last_saved == (str(Path(root)), self.micro_steps):
+            # this step's periodic save holds exactly this state: writing it again would only
+            # replace a good checkpoint with the same bytes
+            self.wait_for_checkpoint()
+            path = str(Path(root) / f"global_step{self.global_steps}")
+        else:
+            path = self.save_checkpoint(root, async_save=False)
         log.warning("preempted by signal %s: saved %s; exiting with status %d (requeue me)",
                     self._preemption.signal_name, path, PREEMPTED_EXIT_CODE)  # fmt: skip
         self.close()
@@ -325,6 +333,7 @@ class Engine:
             self, save_dir, tag, client_state, group=self._checkpoint_group(), background=background
         )
         self._last_save = time.monotonic()
+        self._last_saved = (str(Path(save_dir)), self.micro_steps) if tag is None else None
         if background:
             self._pending_save = handle
             log.info("checkpoint %s: writing in the background", handle.path)
@@ -354,6 +363,7 @@ class Engine:
     ) -> tuple[str, dict[str, Any]]:
         """Restore a checkpoint; returns ``(path, client_state)``. ``tag`` None means the latest good one."""
         self.wait_for_checkpoint()
+        self._last_saved = None
         path, client_state = engine_state.load(
             self, load_dir, tag, load_optimizer_states, group=self._checkpoint_group()
         )

@@ -156,7 +156,7 @@ def initialize(
     path = sail_config.checkpoint.path
     if resume_from:
         engine.load_checkpoint(str(path), resume_from)
-    elif resume and CheckpointStore(str(path)).tags():
+    elif resume and CheckpointStore(str(path)).has_checkpoints():
         engine.load_checkpoint(str(path))
     elif resume:
         log.info("no checkpoint in %s yet: starting from the beginning", path)

@@ -40,4 +40,3 @@ def copying_device_moves() -> Iterator[None]:
         yield
     finally:
         torch.Tensor.to = _original_to  # type: ignore[method-assign]
-

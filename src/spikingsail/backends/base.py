@@ -115,7 +115,9 @@ class Backend(ABC):
         return list(directory.glob(f"__{rank}_*.distcp"))
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager[None]:
-        """Context for a forward/backward pair; with ``enabled`` False gradients stay local."""
+        """Entered around every forward. With ``enabled`` False the backward that follows keeps its
+        gradients local (accumulated for the boundary's reduction); a backend whose library reads
+        the setting during backward (FSDP2) sets it here for the whole micro-step."""
         return contextlib.nullcontext()
 
     def clip_grad_norm_(self, parameters: Iterator[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

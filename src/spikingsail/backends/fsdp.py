@@ -73,19 +73,12 @@ class FSDPBackend(ProcessGroupBackend):
         return {}
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager[None]:
-        if self.root is None or enabled:
-            return contextlib.nullcontext()
-        return self._no_sync(self.root)
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _no_sync(root: FSDPModule) -> Iterator[None]:
-        # FSDP2 keeps the unsharded gradients and reduce-scatters them on the first synchronised backward
-        root.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            root.set_requires_gradient_sync(True)
+        # FSDP2 reads the flag in its post-backward hooks, after the forward's context has closed,
+        # so it is set for the whole micro-step: each forward sets it for the backward that follows.
+        # Unsynchronised backwards keep the unsharded gradients; the boundary's reduce-scatters them.
+        if self.root is not None:
+            self.root.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
 
     def clip_grad_norm_(self, parameters: Iterator[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)

@@ -70,23 +70,37 @@ class ShardedLoader:
             **loader_kwargs,
         )
         self.epoch = 0
+        self._active: object | None = None  # the pass under way
 
     def set_epoch(self, epoch: int) -> None:
+        self._active = None
         self.epoch = epoch
         self.position = 0
 
     def __iter__(self) -> Iterator[Any]:
+        if self._active is not None:
+            self._end_epoch()  # an earlier pass is still open (its iterator held, not exhausted)
+        token = self._active = object()
         self.sampler.set_epoch(self.epoch)
         if self._own_generator:
             self._generator.manual_seed(self.seed * 1_000_003 + self.epoch)
         if isinstance(self.sampler, ResumableShardSampler):
             self.sampler.start = self.position
         step = self.batch_size * self.world_size
-        for batch in self.loader:
-            self.position += step
-            if self.on_batch is not None:
-                self.on_batch()
-            yield batch
+        try:
+            for batch in self.loader:
+                self.position += step
+                if self.on_batch is not None:
+                    self.on_batch()
+                yield batch
+        finally:
+            # Exhausted, or left with ``break``: either way the next pass is the next epoch, with
+            # a new shuffle, as with a DataLoader and set_epoch. Only the newest pass counts.
+            if self._active is token:
+                self._end_epoch()
+
+    def _end_epoch(self) -> None:
+        self._active = None
         self.epoch += 1
         self.position = 0
 
@@ -94,6 +108,8 @@ class ShardedLoader:
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue at ``state``: the next pass starts there, even one begun before the load."""
+        self._active = None
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
 

@@ -97,7 +97,7 @@ def test_a_pass_left_with_break_ends_its_epoch_and_the_next_reshuffles() -> None
     loader = ShardedLoader(DATA, batch_size=3, rank=0, world_size=1, seed=5)
     reference = ShardedLoader(DATA, batch_size=3, rank=0, world_size=1, seed=5)
     epochs = [epoch_indices(reference) for _ in range(4)]
-    for taken, (batch,) in enumerate(loader):
+    for taken, _batch in enumerate(loader):
         if taken == 2:
             break
     assert loader.state_dict() == {"epoch": 1, "position": 0}

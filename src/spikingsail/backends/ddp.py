@@ -126,11 +126,9 @@ def _zero_redundancy(optimizer: torch.optim.Optimizer, where: str) -> ZeroRedund
     # defaults can hold entries the constructor does not take (AdamW's decoupled_weight_decay)
     accepted = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return ZeroRedundancyOptimizer(
-        [{**group, "params": list(group["params"])} for group in optimizer.param_groups],
-        optimizer_class=cls,
-        **defaults,
-    )
+    # The given optimizer's own group dicts, not copies: a scheduler (or anything else) bound to the
+    # given optimizer changes hyper-parameters that ZeRO steps with.
+    return ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=cls, **defaults)
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ from spikingsail.environments import RankInfo
 from spikingsail.errors import ConfigError
 from spikingsail.monitor.steps import StepMonitor, StepRecord
 from spikingsail.optim.optimizers import build_optimizer
+from spikingsail.optim.rebind import rebind_scheduler
 from spikingsail.optim.schedulers import build_scheduler
 from spikingsail.snn.encoding import encode
 from spikingsail.snn.support import SpikingSupport
@@ -78,6 +79,8 @@ class Engine:
                     optimizer = build_optimizer(config.optimizer, self.module.parameters(), config.source)
                 self.precision = select_precision(config, self.device)
                 self.wrapped_module, self.optimizer = backend.wrap(self.module, optimizer)
+                if lr_scheduler is not None and self.optimizer is not optimizer:
+                    rebind_scheduler(lr_scheduler, optimizer, self.optimizer, backend.name)
                 self.lr_scheduler = lr_scheduler
                 if lr_scheduler is None and config.scheduler is not None:
                     self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer, config.source)

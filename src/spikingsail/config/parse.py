@@ -8,12 +8,13 @@ It runs before any process group exists, so a mistake never leaves ranks waiting
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
+import math
 import types
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from spikingsail.config.checks import INT64_MAX, Range, check_number, reject_unknown
 from spikingsail.config.schema import (
     BF16Config,
     CheckpointConfig,
@@ -23,13 +24,17 @@ from spikingsail.config.schema import (
     SailSection,
     SchedulerConfig,
     SNNConfig,
-    ZeroConfig,
 )
+from spikingsail.config.zero import build_zero
 from spikingsail.errors import ConfigError
-from spikingsail.optim.optimizers import resolve_optimizer
-from spikingsail.optim.schedulers import check_scheduler
+
+# Modules, not their functions: spikingsail.optim imports the schema, so importing optim first
+# runs this module while optim is half-initialised.
+from spikingsail.optim import optimizers, schedulers
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_BATCH_RANGE = Range(1, INT64_MAX, integer=True, why="batch sizes and steps are ≥ 1, and the loss is divided "
+                     "by the accumulation steps as an int64")  # fmt: skip
 
 # DeepSpeed keys a DeepSpeed user's file may carry that SpikingSail accepts without acting on them
 # (unless a backend that honours them is chosen). They are reported, never silently dropped.
@@ -66,41 +71,6 @@ INERT_DEEPSPEED_KEYS = frozenset(
     }
 )
 
-ZERO_KEYS = frozenset(
-    {
-        "stage",
-        "allgather_partitions",
-        "allgather_bucket_size",
-        "overlap_comm",
-        "reduce_scatter",
-        "reduce_bucket_size",
-        "contiguous_gradients",
-        "offload_optimizer",
-        "offload_param",
-        "sub_group_size",
-        "round_robin_gradients",
-        "elastic_checkpoint",
-        "load_from_fp32_weights",
-        "ignore_unused_parameters",
-        "use_multi_rank_bucket_allreduce",
-        "cpu_offload",
-        "cpu_offload_params",
-        "stage3_max_live_parameters",
-        "stage3_max_reuse_distance",
-        "stage3_prefetch_bucket_size",
-        "stage3_param_persistence_threshold",
-        "stage3_gather_16bit_weights_on_model_save",
-        "stage3_gather_fp16_weights_on_model_save",
-        "stage3_model_persistence_threshold",
-        "zero_hpz_partition_size",
-        "zero_quantized_weights",
-        "zero_quantized_gradients",
-        "mics_shard_size",
-        "memory_efficient_linear",
-        "gather_16bit_weights_on_model_save",
-    }
-)
-
 _SECTIONS: dict[str, type[Any]] = {
     "fp16": FP16Config,
     "bf16": BF16Config,
@@ -123,7 +93,7 @@ TOP_LEVEL_KEYS = frozenset({*BATCH_KEYS, *_SECTIONS, *_SCALARS, *BACKEND_SECTION
 def load_config(source: str | Path | dict[str, Any] | None, world_size: int) -> SailConfig:
     """Read, validate and resolve a config for ``world_size`` processes."""
     raw, where = _read(source)
-    _reject_unknown(raw, TOP_LEVEL_KEYS | INERT_DEEPSPEED_KEYS, where, "the top level")
+    reject_unknown(raw, TOP_LEVEL_KEYS | INERT_DEEPSPEED_KEYS, where, "the top level")
     if "bf16" in raw and "bfloat16" in raw:
         raise ConfigError(
             f"{where}: both 'bf16' and 'bfloat16' are set",
@@ -135,14 +105,19 @@ def load_config(source: str | Path | dict[str, Any] | None, world_size: int) -> 
         for name, cls in _SECTIONS.items()
         if name in raw
     }
-    scalars = {name: _coerce(raw[name], kind, where, name) for name, kind in _SCALARS.items() if name in raw}
+    top = {f.name: f for f in dataclasses.fields(SailConfig)}
+    scalars = {
+        name: _value(raw[name], kind, top[name], where, name)
+        for name, kind in _SCALARS.items()
+        if name in raw
+    }
     micro, accum, total = _resolve_batch(raw, world_size, where)
     config = SailConfig(
         train_batch_size=total,
         train_micro_batch_size_per_gpu=micro,
         gradient_accumulation_steps=accum,
         world_size=world_size,
-        zero_optimization=_build_zero(raw.get("zero_optimization", False), where),
+        zero_optimization=build_zero(raw.get("zero_optimization", False), where),
         inert_keys=tuple(sorted(k for k in raw if k in INERT_DEEPSPEED_KEYS)),
         source=where,
         raw=raw,
@@ -178,24 +153,12 @@ def _read(source: str | Path | dict[str, Any] | None) -> tuple[dict[str, Any], s
     return raw, str(path)
 
 
-def _reject_unknown(raw: dict[str, Any], valid: frozenset[str] | set[str], where: str, scope: str) -> None:
-    for key in raw:
-        if key not in valid:
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ConfigError(
-                f"{where}: unknown key '{key}' in {scope}",
-                "SpikingSail rejects keys it does not know so that a typo never goes unnoticed",
-                f"{hint}valid keys: {', '.join(sorted(valid))}",
-            )
-
-
 def _build(cls: type[Any], raw: Any, where: str, name: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: '{name}' must be an object", f"found {raw!r}")
-    hints = get_type_hints(cls)
+    hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    _reject_unknown(raw, set(fields), where, f"'{name}'")
+    reject_unknown(raw, set(fields), where, f"'{name}'")
     missing = [
         n
         for n, f in fields.items()
@@ -203,8 +166,26 @@ def _build(cls: type[Any], raw: Any, where: str, name: str) -> Any:
     ]
     if missing:
         raise ConfigError(f"{where}: '{name}' needs the key '{missing[0]}'", fix=f'add "{missing[0]}"')
-    kwargs = {k: _coerce(v, hints[k], where, f"{name}.{k}") for k, v in raw.items()}
+    kwargs = {k: _value(v, hints[k], fields[k], where, f"{name}.{k}") for k, v in raw.items()}
     return cls(**kwargs)
+
+
+_HINTS: dict[type[Any], dict[str, Any]] = {}
+
+
+def _hints(cls: type[Any]) -> dict[str, Any]:
+    if cls not in _HINTS:  # get_type_hints evaluates every annotation: slow enough to matter in a loop
+        _HINTS[cls] = get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _value(value: Any, hint: Any, declared: dataclasses.Field[Any], where: str, key: str) -> Any:
+    """A field's value: of its type and, for numbers, within the range the schema declares."""
+    # every float is at least finite: NaN would turn a check like "clip when > 0" silently off
+    allowed: Range | None = declared.metadata.get("range") or (Range() if hint is float else None)
+    if allowed is None or value is None:
+        return _coerce(value, hint, where, key)
+    return check_number(value, allowed, key, where)
 
 
 def _coerce(value: Any, hint: Any, where: str, key: str) -> Any:
@@ -224,6 +205,9 @@ def _coerce(value: Any, hint: Any, where: str, key: str) -> Any:
     elif hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        # 1e3 or 1000.0 in a DeepSpeed file: DeepSpeed reads a whole float as an integer
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            return int(value)
     elif hint is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
@@ -233,29 +217,13 @@ def _coerce(value: Any, hint: Any, where: str, key: str) -> Any:
     raise ConfigError(f"{where}: '{key}' must be {expected}", f"found {value!r}")
 
 
-def _build_zero(raw: Any, where: str) -> ZeroConfig:
-    # DeepSpeed's legacy boolean form: true means stage 1, false means off.
-    if isinstance(raw, bool):
-        return ZeroConfig(stage=1 if raw else 0)
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: 'zero_optimization' must be an object or a boolean", f"found {raw!r}")
-    _reject_unknown(raw, ZERO_KEYS, where, "'zero_optimization'")
-    stage = _coerce(raw.get("stage", 0), int, where, "zero_optimization.stage")
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(
-            f"{where}: zero_optimization.stage is {stage}",
-            "ZeRO has stages 0 (off), 1, 2 and 3",
-            "pick one of 0, 1, 2, 3",
-        )
-    return ZeroConfig(stage=stage, options={k: v for k, v in raw.items() if k != "stage"})
-
-
 def _resolve_batch(raw: dict[str, Any], world_size: int, where: str) -> tuple[int, int, int]:
     """DeepSpeed's rule: any two of the three batch keys imply the third."""
-    given = {k: _coerce(raw[k], int, where, k) for k in BATCH_KEYS if raw.get(k) is not None}
-    for key, value in given.items():
-        if value < 1:
-            raise ConfigError(f"{where}: '{key}' is {value}", "batch sizes and steps must be ≥ 1")
+    given = {
+        k: int(check_number(_coerce(raw[k], int, where, k), _BATCH_RANGE, k, where))
+        for k in BATCH_KEYS
+        if raw.get(k) is not None
+    }
     total = given.get("train_batch_size")
     micro = given.get("train_micro_batch_size_per_gpu")
     accum = given.get("gradient_accumulation_steps")
@@ -290,6 +258,7 @@ def _show(given: dict[str, int]) -> str:
 
 
 def _check_semantics(config: SailConfig) -> None:
+    """What one key's type and range cannot say: choices, paths, and keys that must agree."""
     where = config.source
     if config.fp16.enabled and config.bf16.enabled:
         raise ConfigError(
@@ -297,46 +266,47 @@ def _check_semantics(config: SailConfig) -> None:
             "a run uses one mixed-precision mode",
             "keep bf16 on GPUs that support it (A100, H100), fp16 otherwise (V100)",
         )
-    fp16 = config.fp16
-    if fp16.loss_scale < 0 or fp16.min_loss_scale <= 0 or fp16.loss_scale_window < 1 or fp16.hysteresis < 1:
-        raise ConfigError(
-            f"{where}: fp16 loss-scale settings out of range",
-            "loss_scale must be ≥ 0, min_loss_scale > 0, loss_scale_window ≥ 1, hysteresis ≥ 1",
-            "use DeepSpeed's defaults: loss_scale 0, min_loss_scale 1, loss_scale_window 1000, hysteresis 2",
-        )
-    if config.gradient_clipping < 0:
-        raise ConfigError(
-            f"{where}: gradient_clipping is {config.gradient_clipping}", "it must be ≥ 0 (0 = off)"
-        )
-    if config.steps_per_print < 1:
-        raise ConfigError(f"{where}: steps_per_print is {config.steps_per_print}", "it must be ≥ 1")
-    if config.sail.dist_backend not in ("auto", "nccl", "gloo"):
-        raise ConfigError(
-            f"{where}: sail.dist_backend is '{config.sail.dist_backend}'",
-            "SpikingSail runs on nccl (GPU) or gloo (CPU)",
-            "use auto, nccl or gloo",
-        )
     if config.optimizer is not None:
-        resolve_optimizer(config.optimizer, where)
+        optimizers.resolve_optimizer(config.optimizer, where)
     if config.scheduler is not None:
-        check_scheduler(config.scheduler, where)
-    ckpt = config.checkpoint
-    if ckpt.interval_steps < 0 or ckpt.interval_seconds < 0 or ckpt.keep_last < 0:
-        raise ConfigError(
-            f"{where}: checkpoint.interval_steps, interval_seconds and keep_last must be ≥ 0",
-            fix="use 0 to turn each off",
-        )
+        schedulers.check_scheduler(config.scheduler, where)
+    _check_choices(config)
+    _check_checkpoint(config)
+
+
+def _check_choices(config: SailConfig) -> None:
     snn = config.snn
-    for key, value, allowed in (("reset", snn.reset, ("per_batch", "off")),
-                                ("step_mode", snn.step_mode, (None, "s", "m")),
-                                ("encoding", snn.encoding, ("repeat", "poisson"))):  # fmt: skip
+    for key, value, allowed in (("sail.dist_backend", config.sail.dist_backend, ("auto", "nccl", "gloo")),
+                                ("snn.reset", snn.reset, ("per_batch", "off")),
+                                ("snn.step_mode", snn.step_mode, (None, "s", "m")),
+                                ("snn.encoding", snn.encoding, ("repeat", "poisson"))):  # fmt: skip
         if value not in allowed:
             raise ConfigError(
-                f"{where}: snn.{key} is {value!r}",
+                f"{config.source}: {key} is {value!r}",
                 fix=f"use one of {', '.join(repr(a) for a in allowed if a is not None)}"
                 + (" (or leave it out)" if None in allowed else ""),
             )
-    if snn.time_steps < 1:
-        raise ConfigError(f"{where}: snn.time_steps is {snn.time_steps}", "it must be ≥ 1")
-    if config.sail.timeout_minutes <= 0:
-        raise ConfigError(f"{where}: sail.timeout_minutes must be > 0")
+    metrics = config.sail.metrics_path
+    if metrics is not None and not metrics.strip():
+        raise ConfigError(f"{config.source}: sail.metrics_path is {metrics!r}", "it must name a file",
+                          "set sail.metrics_path to a file, or leave it out")  # fmt: skip
+
+
+def _check_checkpoint(config: SailConfig) -> None:
+    where, ckpt = config.source, config.checkpoint
+    if ckpt.path is not None and not ckpt.path.strip():
+        raise ConfigError(f"{where}: checkpoint.path is {ckpt.path!r}", "it must name a directory",
+                          "set checkpoint.path to a directory, or leave it out")  # fmt: skip
+    if ckpt.tag_validation.upper() not in ("IGNORE", "WARN", "FAIL"):
+        raise ConfigError(
+            f"{where}: checkpoint.tag_validation is {ckpt.tag_validation!r}",
+            "DeepSpeed's modes are Ignore, Warn and Fail (in any case)",
+            "use 'Warn' (SpikingSail's tags are the same on every rank anyway)",
+        )
+    for key, value in ckpt.parallel_write.items():
+        if key != "pipeline_stage" or not isinstance(value, bool):
+            raise ConfigError(
+                f"{where}: checkpoint.parallel_write.{key} is {value!r}",
+                "DeepSpeed's parallel_write takes one key, pipeline_stage, true or false",
+                'write "parallel_write": {"pipeline_stage": false}, or leave it out',
+            )

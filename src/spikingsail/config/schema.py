@@ -9,22 +9,58 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from spikingsail.config.checks import FLOAT32_MAX, INT64_MAX, Range
+
+MAX_TIMEOUT_MINUTES = 100 * 365 * 24 * 60
+# The consumers' bounds, with the reason a message gives when a value is outside them.
+_LOSS_SCALE = Range(
+    0, FLOAT32_MAX, fix="0, or e.g. 128",
+    why="0 selects dynamic scaling; a static scale multiplies the float32 loss, so it must be a float32 number",
+)  # fmt: skip
+_SCALE_POWER = Range(
+    0, 127, integer=True, fix="DeepSpeed's default is 16",
+    why="dynamic scaling starts at 2**initial_scale_power, which multiplies the float32 loss: "
+    "above 2**127 it is not a float32 number",
+)  # fmt: skip
+_MIN_LOSS_SCALE = Range(
+    0, FLOAT32_MAX, low_open=True, fix="DeepSpeed's default is 1",
+    why="the dynamic scale halves down to it, and the loss is scaled in float32",
+)  # fmt: skip
+_SEED = Range(
+    0, 2**32 - 1, integer=True,
+    why="numpy's seed (np.random.seed) takes 0 to 2**32-1, and every rank seeds python, numpy and torch with it",
+)  # fmt: skip
+_TIMEOUT = Range(
+    1 / 60, MAX_TIMEOUT_MINUTES, fix="the default is 30",
+    why="torch counts its timeouts in whole milliseconds and the deadline of a collective in int64 "
+    "nanoseconds (about 292 years), so it must be between 1 second and 100 years",
+)  # fmt: skip
+_CLIPPING = Range(
+    0, FLOAT32_MAX, fix="e.g. 1.0",
+    why="it is the largest global gradient norm (0 = off), compared with the float32 norm",
+)  # fmt: skip
+
+
+def ranged(default: Any, allowed: Range) -> Any:
+    """A field whose JSON value ``spikingsail.config.parse`` checks against ``allowed``."""
+    return field(default=default, metadata={"range": allowed})
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class FP16Config:
     enabled: bool = False
     """Mixed precision with float16 autocast and loss scaling."""
-    loss_scale: float = 0.0
+    loss_scale: float = ranged(0.0, _LOSS_SCALE)
     """0 selects dynamic loss scaling; any other value is a static scale."""
-    initial_scale_power: int = 16
+    initial_scale_power: int = ranged(16, _SCALE_POWER)
     """Dynamic scaling starts at 2**initial_scale_power."""
-    loss_scale_window: int = 1000
+    loss_scale_window: int = ranged(1000, Range(1, integer=True, fix="DeepSpeed's default is 1000"))
     """Steps without overflow before the dynamic scale doubles."""
-    hysteresis: int = 2
+    hysteresis: int = ranged(2, Range(1, integer=True, fix="DeepSpeed's default is 2"))
     """Overflows tolerated before the dynamic scale halves."""
     consecutive_hysteresis: bool = False
     """Refill the hysteresis budget after every step without overflow."""
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = ranged(1.0, _MIN_LOSS_SCALE)
     """The dynamic scale never drops below this."""
     auto_cast: bool = False
     """Accepted for DeepSpeed compatibility; the forward always runs under autocast."""
@@ -64,11 +100,11 @@ class ZeroConfig:
 class CheckpointConfig:
     path: str | None = None
     """Where the engine saves on its own (also set by --checkpoints-path)."""
-    interval_steps: int = 0
+    interval_steps: int = ranged(0, Range(0, integer=True, fix="0 turns it off"))
     """Save every N optimizer steps (0 = never on its own)."""
-    interval_seconds: float = 0.0
+    interval_seconds: float = ranged(0.0, Range(0, fix="0 turns it off"))
     """Save when this much time has passed since the last save (0 = never on its own)."""
-    keep_last: int = 0
+    keep_last: int = ranged(0, Range(0, integer=True, fix="0 keeps all"))
     """Keep only the newest K checkpoints, deleting older ones after a new one is complete (0 = keep all)."""
     async_save: bool = False
     """Copy the state to host memory and write it in the background (torch.distributed.checkpoint's async_save)."""
@@ -92,7 +128,9 @@ class SNNConfig:
     """per_batch: the engine resets neuron state between batches and micro-batches; off: the script does."""
     step_mode: str | None = None
     """Set every spiking layer to 's' (one time step per call) or 'm' ([T, N, ...] per call); None keeps the model's."""
-    time_steps: int = 4
+    time_steps: int = ranged(
+        4, Range(1, INT64_MAX, integer=True, why="it is the length of a tensor dimension")
+    )
     """T for engine.encode()."""
     encoding: str = "repeat"
     """How engine.encode() makes [T, N, ...] from a static input: repeat (direct) or poisson (rate)."""
@@ -106,13 +144,13 @@ class SailSection:
     """Which engine backend runs the job (see ``spikingsail.backends.available()``)."""
     dist_backend: str = "auto"
     """torch.distributed backend: auto (nccl with CUDA, gloo otherwise), nccl or gloo."""
-    seed: int | None = None
+    seed: int | None = ranged(None, _SEED)
     """Seed python, numpy and torch on every rank before the model is wrapped."""
     progress_bar: bool = True
     """Show a progress bar with loss and samples/s on rank 0."""
     metrics_path: str | None = None
     """Append one JSON line per optimizer step (rank 0) to this file."""
-    timeout_minutes: float = 30.0
+    timeout_minutes: float = ranged(30.0, _TIMEOUT)
     """How long collectives wait before the process group gives up."""
     find_unused_parameters: bool = False
     """Passed to DistributedDataParallel for models with branches not used every step."""
@@ -132,8 +170,8 @@ class SailConfig:
     scheduler: SchedulerConfig | None = None
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
-    gradient_clipping: float = 0.0
-    steps_per_print: int = 10
+    gradient_clipping: float = ranged(0.0, _CLIPPING)
+    steps_per_print: int = ranged(10, Range(1, integer=True))
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     snn: SNNConfig = field(default_factory=SNNConfig)

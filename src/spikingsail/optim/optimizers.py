@@ -14,6 +14,7 @@ import torch
 
 from spikingsail.config.schema import OptimizerConfig
 from spikingsail.errors import ConfigError
+from spikingsail.optim.hyperparameters import checked_optimizer_params
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam,
@@ -42,21 +43,22 @@ def resolve_optimizer(
             "or create the optimizer yourself and pass it to SpikingSail(args, model, optimizer)",
         )
     params = dict(config.params)
+    switches = checked_optimizer_params(
+        {k: params.pop(k) for k in _DEEPSPEED_SWITCHES if k in params}, config.type, where
+    )
     cls = OPTIMIZERS[name]
-    if name == "adam" and params.pop("adam_w_mode", True):
+    if name == "adam" and switches.get("adam_w_mode", True):
         cls = torch.optim.AdamW
-    for switch in _DEEPSPEED_SWITCHES:
-        params.pop(switch, None)
-    if "betas" in params and isinstance(params["betas"], list):
-        params["betas"] = tuple(params["betas"])
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
     unknown = sorted(set(params) - accepted)
     if unknown:
+        as_adamw = " (DeepSpeed's Adam is AdamW unless optimizer.params.adam_w_mode is false)"
         raise ConfigError(
             f"{where}: optimizer.params has '{unknown[0]}', which {cls.__name__} does not take",
-            f"the params are passed to torch.optim.{cls.__name__}",
+            f"the params are passed to torch.optim.{cls.__name__}" + (as_adamw if name == "adam" else ""),
             f"valid params: {', '.join(sorted(accepted | (_DEEPSPEED_SWITCHES if name == 'adam' else set())))}",
         )
+    params = checked_optimizer_params(params, cls.__name__, where)
     if "weight_decay" in accepted:
         params.setdefault("weight_decay", 0.0)
     return cls, params
@@ -66,6 +68,14 @@ def build_optimizer(
     config: OptimizerConfig, parameters: Iterable[torch.nn.Parameter], where: str
 ) -> torch.optim.Optimizer:
     cls, params = resolve_optimizer(config, where)
+    parameters = list(parameters)
+    if params.get("capturable") and any(p.device.type == "cpu" for p in parameters):
+        raise ConfigError(
+            f"{where}: optimizer.params.capturable is true, but the model is on the CPU",
+            "capturable keeps the optimizer's state on the GPU for CUDA graphs; torch refuses it for CPU "
+            "tensors on the first step",
+            "remove optimizer.params.capturable",
+        )
     try:
         return cls(parameters, **params)
     except (TypeError, ValueError) as err:

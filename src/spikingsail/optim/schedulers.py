@@ -17,6 +17,7 @@ import torch
 
 from spikingsail.config.schema import SchedulerConfig
 from spikingsail.errors import ConfigError
+from spikingsail.optim.hyperparameters import checked_scheduler_params
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,7 @@ def check_scheduler(config: SchedulerConfig, where: str) -> type[IterationSchedu
     for key in required:
         if key not in config.params:
             raise ConfigError(f"{where}: {cls.__name__} needs scheduler.params.{key}", fix=f'add "{key}"')
+    checked_scheduler_params(config.params, where)
     return cls
 
 
@@ -208,6 +210,6 @@ def build_scheduler(
 ) -> IterationSchedule:
     cls = check_scheduler(config, where)
     try:
-        return cls(optimizer, **config.params)
+        return cls(optimizer, **checked_scheduler_params(config.params, where))
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{where}: scheduler {cls.__name__} rejected its params", str(err)) from None

@@ -74,8 +74,8 @@ def test_resuming_mid_epoch_continues_with_the_next_batch() -> None:
         for (batch,) in first:
             taken += [int(i) for i in batch]
             if len(taken) == 6:
-                state = first.state_dict()  # saved inside the pass (a pass left with break is over)
                 break
+        state = first.state_dict()
         assert state == {"epoch": 0, "position": 12}
         second = ShardedLoader(DATA, batch_size=3, rank=rank, world_size=2, seed=5)
         second.load_state_dict(state)
@@ -93,18 +93,20 @@ def test_the_global_order_carries_over_to_another_world_size() -> None:
     assert steps_one == steps_two[2:]
 
 
-def test_a_pass_left_with_break_ends_its_epoch_and_the_next_reshuffles() -> None:
+def test_a_pass_left_with_break_is_followed_by_the_next_epoch_with_a_new_shuffle() -> None:
     loader = ShardedLoader(DATA, batch_size=3, rank=0, world_size=1, seed=5)
     reference = ShardedLoader(DATA, batch_size=3, rank=0, world_size=1, seed=5)
     epochs = [epoch_indices(reference) for _ in range(4)]
     for taken, _batch in enumerate(loader):
         if taken == 2:
             break
-    assert loader.state_dict() == {"epoch": 1, "position": 0}
+    # a checkpoint saved now continues the epoch that was left (as torchdata's StatefulDataLoader)
+    assert loader.state_dict() == {"epoch": 0, "position": 9}
     assert epoch_indices(loader) == epochs[1], "the next pass must be the next epoch, from its start"
+    assert loader.state_dict() == {"epoch": 2, "position": 0}
     held = iter(loader)  # a pass whose iterator stays alive, unfinished, while a new one starts
     next(held)
     assert epoch_indices(loader) == epochs[3]
     assert loader.state_dict() == {"epoch": 4, "position": 0}
-    del held  # closing the abandoned pass later changes nothing
+    assert list(held) == []  # the abandoned pass yields nothing more and changes nothing
     assert loader.state_dict() == {"epoch": 4, "position": 0}

@@ -79,7 +79,10 @@ class ShardedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         if self._active is not None:
-            self._end_epoch()  # an earlier pass is still open (its iterator held, not exhausted)
+            # The previous pass was left before its end (break): this one is the next epoch, with a
+            # new shuffle, as with a DataLoader and set_epoch. Its state stayed where it was left
+            # until now, so a checkpoint saved after the break continues that epoch on resume.
+            self._end_epoch()
         token = self._active = object()
         self.sampler.set_epoch(self.epoch)
         if self._own_generator:
@@ -87,17 +90,15 @@ class ShardedLoader:
         if isinstance(self.sampler, ResumableShardSampler):
             self.sampler.start = self.position
         step = self.batch_size * self.world_size
-        try:
-            for batch in self.loader:
-                self.position += step
-                if self.on_batch is not None:
-                    self.on_batch()
-                yield batch
-        finally:
-            # Exhausted, or left with ``break``: either way the next pass is the next epoch, with
-            # a new shuffle, as with a DataLoader and set_epoch. Only the newest pass counts.
-            if self._active is token:
-                self._end_epoch()
+        for batch in self.loader:
+            if self._active is not token:
+                return  # a newer pass (or a load) took over from this one
+            self.position += step
+            if self.on_batch is not None:
+                self.on_batch()
+            yield batch
+        if self._active is token:
+            self._end_epoch()
 
     def _end_epoch(self) -> None:
         self._active = None

@@ -132,8 +132,8 @@ def test_an_extension_built_before_this_torch(tmp_path: Path, monkeypatch: pytes
 
 def test_loose_ssh_files_and_an_unprotected_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ssh = tmp_path / ".ssh"
-    ssh.mkdir(mode=0o755)
-    ssh.chmod(0o755)
+    ssh.mkdir(mode=0o777)
+    ssh.chmod(0o777)  # world-writable: sshd refuses it (755 is fine, see test_ssh_modes.py)
     (ssh / "authorized_keys").write_text("")
     (ssh / "authorized_keys").chmod(0o666)
     (ssh / "id_ed25519").write_text("")

@@ -21,7 +21,7 @@ _CUDA_LIBRARY = re.compile(r"undefined symbol|not defined in file|version `[^']+
 def machine_findings(facts: Facts, report: Report, host: str = "", nproc: int = 1) -> list[Finding]:
     """Every check about one machine; ``nproc`` is how many training processes it will run."""
     checks: list[Callable[[Facts, str], list[Finding]]] = [
-        _python, _torch, _gpus, _visible_devices, _extensions, _backends, _network, _ssh_permissions,
+        _python, _torch, _gpus, _visible_devices, _extensions, _backends, _network, ssh_permissions,
     ]  # fmt: skip
     found = [f for check in checks for f in check(facts, host)]
     found += [_shm(facts, host, nproc), *_limits(facts, host)]
@@ -263,24 +263,49 @@ def _ifname_matches(spec: str, names: list[str]) -> bool:
     return bool(set(names) - set(hits)) if exclude else bool(hits)
 
 
-def _ssh_permissions(facts: Facts, host: str) -> list[Finding]:
+# sshd's StrictModes (on by default) ignores authorized_keys unless the file and every directory
+# from it up to the home directory belong to the user or root and are writable by no one else;
+# being readable by others is fine (OpenSSH's safe_path). Debian's and Ubuntu's sshd also accept a
+# group-writable one whose group has the user as its only member (their user-private groups and
+# umask 002). ssh itself refuses a private key of the user's that anyone else may read.
+_STRICT_MODES = (("home", "chmod go-w"), ("dir", "chmod 700"), ("authorized_keys", "chmod 600"))
+_IGNORED = "so sshd (StrictModes) ignores authorized_keys and logins need a password"
+_DEBIAN_SSH = re.compile(r"\b(Debian|Ubuntu)\b")
+
+
+def ssh_permissions(facts: Facts, host: str) -> list[Finding]:
+    """Exactly what sshd's StrictModes and ssh's key check refuse, from the probe's ``ssh`` facts."""
     ssh = facts["ssh"]
+    debian = bool(_DEBIAN_SSH.search(ssh.get("version") or ""))
     out = []
-    for key, limit, mode_fix in (
-        ("home", 0o022, "755"),
-        ("dir", 0o077, "700"),
-        ("authorized_keys", 0o022, "600"),
-    ):
+    for key, chmod in _STRICT_MODES:
         entry = ssh.get(key)
-        if entry and entry["mode"] & limit:
-            out.append(warn("ssh permissions", f"{entry['path']} has mode {entry['mode']:o}: sshd (StrictModes) "
-                            "ignores authorized_keys under group/world-writable paths, so logins need a password",
-                            f"chmod {mode_fix} {entry['path']}", host))  # fmt: skip
+        if not entry:
+            continue
+        path, why = entry["path"], _writable(entry, debian)
+        if why:
+            out.append(warn("ssh permissions", f"{path} has mode {entry['mode']:o}: {why}, {_IGNORED}",
+                            f"{chmod} {path}", host))  # fmt: skip
+        if not (entry["owner"] or entry.get("root")):
+            out.append(warn("ssh permissions", f"{path} belongs to another user, {_IGNORED}",
+                            f"sudo chown $(id -un) {path}", host))  # fmt: skip
     for key in ssh["keys"]:
-        if key["mode"] & 0o077:
+        if key["owner"] and key["mode"] & 0o077:
             out.append(fail("ssh permissions", f"private key {key['path']} has mode {key['mode']:o}: ssh refuses "
                             "to use it ('UNPROTECTED PRIVATE KEY FILE')", f"chmod 600 {key['path']}", host))  # fmt: skip
-    return out or [ok("ssh permissions", "~/.ssh, authorized_keys and keys are private", host)]
+    return out or [ok("ssh permissions", "~/.ssh, authorized_keys and keys pass sshd's StrictModes and ssh's checks",
+                      host)]  # fmt: skip
+
+
+def _writable(entry: Facts, debian: bool) -> str:
+    """Why sshd refuses the entry's mode ('' when it does not)."""
+    if entry["mode"] & 0o002:
+        return "writable by others"
+    if not entry["mode"] & 0o020 or (debian and entry.get("group_is_yours")):
+        return ""
+    if entry.get("group_is_yours"):
+        return "writable by its group (only Debian's and Ubuntu's sshd accept that, when you are its only member)"
+    return "writable by its group, which is not yours alone"
 
 
 def _size(n: float) -> str:

@@ -17,11 +17,13 @@ import argparse
 import contextlib
 import ctypes
 import errno
+import grp
 import importlib
 import importlib.metadata
 import importlib.util
 import json
 import os
+import pwd
 import re
 import resource
 import shutil
@@ -148,11 +150,30 @@ def ssh_facts() -> Facts:
             st = path.stat()
         except OSError:
             return None
-        return {"path": str(path), "mode": st.st_mode & 0o777, "owner": st.st_uid == os.getuid()}
+        return {"path": str(path), "mode": st.st_mode & 0o777, "owner": st.st_uid == os.getuid(),
+                "root": st.st_uid == 0, "group_is_yours": bool(st.st_mode & 0o020) and _group_is_yours(st)}  # fmt: skip
 
     keys = [mode(p) for p in sorted(ssh.glob("id_*")) if not p.name.endswith(".pub")]
+    try:  # e.g. "OpenSSH_9.2p1 Debian-2+deb12u3": the distribution's patches are the server's too
+        version = subprocess.run(
+            ["ssh", "-V"], capture_output=True, text=True, timeout=10, check=False
+        ).stderr.strip()
+    except (OSError, subprocess.SubprocessError):
+        version = None
     return {"home": mode(home), "dir": mode(ssh), "authorized_keys": mode(ssh / "authorized_keys"),
-            "keys": [k for k in keys if k]}  # fmt: skip
+            "keys": [k for k in keys if k], "version": version}  # fmt: skip
+
+
+def _group_is_yours(st: os.stat_result) -> bool:
+    """Debian's sshd accepts a group-writable file whose group has one member: you (its owner)."""
+    try:
+        group, owner = grp.getgrgid(st.st_gid), pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        return False
+    primary = [p.pw_uid for p in pwd.getpwall() if p.pw_gid == group.gr_gid]
+    if any(uid != os.getuid() for uid in primary) or group.gr_mem not in ([], [owner]):
+        return False
+    return bool(primary or group.gr_mem)
 
 
 def extension_facts(torch_info: Facts) -> Facts:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import spikingsail
+from spikingsail.checkpoint.store import CheckpointError
 from spikingsail.environments import RankInfo
 from tests.multiprocess import run_ranks
 
@@ -146,3 +147,90 @@ def test_resume_needs_a_path() -> None:
     with pytest.raises(spikingsail.ConfigError, match="--resume needs to know where the checkpoints are"):
         spikingsail.initialize(model=torch.nn.Linear(2, 2), config=config(), rank_info=RankInfo.single(),
                                resume=True)  # fmt: skip
+
+
+def saved_at_step(tmp_path: Path, micro_steps: int = 4) -> Path:
+    """A single-process run of ``config()`` saved after ``micro_steps`` micro-steps."""
+    torch.manual_seed(0)
+    engine, _ = spikingsail.initialize(
+        model=torch.nn.Linear(6, 3), config=config(), rank_info=RankInfo.single()
+    )
+    for x, y in engine.dataloader(dataset()):
+        engine.backward(F.cross_entropy(engine(x), y))
+        engine.step()
+        if engine.micro_steps == micro_steps:
+            break
+    engine.save_checkpoint(tmp_path)
+    engine.close()
+    return tmp_path
+
+
+def resume_with(checkpoints: Path, changed: dict[str, Any]) -> spikingsail.Engine:
+    torch.manual_seed(0)
+    engine, _ = spikingsail.initialize(model=torch.nn.Linear(6, 3), config={**config(), **changed},
+                                       rank_info=RankInfo.single(), checkpoints_path=str(checkpoints),
+                                       resume=True)  # fmt: skip
+    return engine
+
+
+@pytest.mark.parametrize(
+    ("changed", "named"),
+    [
+        ({"optimizer": {"type": "AdamW", "params": {"lr": 0.5, "weight_decay": 0.01}}},
+         'optimizer.params.lr: saved 0.01, now 0.5'),
+        ({"gradient_clipping": 2.0}, "gradient_clipping: saved 1.0, now 2.0"),
+        ({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2},
+         "train_batch_size: saved 8, now 16"),
+        ({"scheduler": None}, 'scheduler: saved {"type": "WarmupLR"'),
+        ({"bf16": {"enabled": True}}, "bf16.enabled: saved false, now true"),
+        ({"sail": {"seed": 12, "progress_bar": False}}, "sail.seed: saved 11, now 12"),
+    ],
+)  # fmt: skip
+def test_a_resume_with_a_changed_training_setting_is_refused_naming_both_values(
+    tmp_path: Path, changed: dict[str, Any], named: str
+) -> None:
+    checkpoints = saved_at_step(tmp_path)
+    if changed.get("scheduler", "") is None:
+        changed = {}
+        cfg = config()
+        del cfg["scheduler"]
+        with pytest.raises(CheckpointError) as refused:
+            spikingsail.initialize(model=torch.nn.Linear(6, 3), config=cfg, rank_info=RankInfo.single(),
+                                   checkpoints_path=str(checkpoints), resume=True)  # fmt: skip
+    else:
+        with pytest.raises(CheckpointError) as refused:
+            resume_with(checkpoints, changed)
+    message = str(refused.value)
+    assert "cannot be resumed with this config" in message and named in message, message
+    assert "load_module_only=True" in message
+
+
+def test_where_and_how_a_run_is_kept_may_change_on_resume(tmp_path: Path) -> None:
+    checkpoints = saved_at_step(tmp_path)
+    engine = resume_with(checkpoints, {"checkpoint": {"keep_last": 2, "interval_steps": 3}, "steps_per_print": 1,
+                                       "sail": {"seed": 11, "progress_bar": False, "timeout_minutes": 5}})  # fmt: skip
+    assert engine.global_steps == 2
+    engine.close()
+
+
+def test_a_split_change_inside_an_accumulation_window_is_refused(tmp_path: Path) -> None:
+    checkpoints = saved_at_step(tmp_path, micro_steps=5)  # inside a window of 2
+    with pytest.raises(CheckpointError, match=r"(?s)inside a gradient accumulation window.*"
+                       r"gradient_accumulation_steps: saved 2, now 1"):  # fmt: skip
+        resume_with(checkpoints, {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+                                  "train_batch_size": 8})  # fmt: skip
+
+
+def test_load_module_only_starts_a_new_run_from_the_saved_weights(tmp_path: Path) -> None:
+    checkpoints = saved_at_step(tmp_path)
+    reference = resume_with(checkpoints, {})
+    weights = {k: v.clone() for k, v in reference.module.state_dict().items()}
+    reference.close()
+    torch.manual_seed(0)
+    engine, _ = spikingsail.initialize(model=torch.nn.Linear(6, 3), config={**config(), "gradient_clipping": 3.0},
+                                       rank_info=RankInfo.single())  # fmt: skip
+    engine.load_checkpoint(checkpoints, load_module_only=True)
+    assert (engine.global_steps, engine.micro_steps) == (0, 0)
+    for key, value in weights.items():
+        assert torch.equal(engine.module.state_dict()[key], value), key
+    engine.close()

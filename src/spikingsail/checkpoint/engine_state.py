@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from spikingsail.checkpoint import dcp_io
+from spikingsail.checkpoint.compatibility import check_resumable
 from spikingsail.checkpoint.store import CheckpointError, CheckpointStore, seal
 
 if TYPE_CHECKING:
@@ -133,33 +134,29 @@ def load(
     load_optimizer_states: bool = True,
     *,
     group: dist.ProcessGroup | None,
+    module_only: bool = False,
 ) -> tuple[Path, dict[str, Any]]:
-    """Collective: every rank calls it. Returns (checkpoint directory, client_state)."""
+    """Collective: every rank calls it. Returns (checkpoint directory, client_state).
+
+    ``module_only`` reads the weights alone, for a new run that starts from them (no counters,
+    optimizer, scheduler, data position or config check)."""
     store = CheckpointStore(load_dir)
     chosen = [store.resolve(tag) if engine.rank == 0 else None]
     if dist.is_initialized():
         dist.broadcast_object_list(chosen, src=0)
     path = store.root / str(chosen[0])
     state = _load(path / "engine.pt")
+    _check_format(engine, path, state)
+    if module_only:
+        engine.backend.load_state(engine.module, None, path / STATE_DIR, group)
+        _barrier()
+        return path, dict(state["client_state"])
     saved_world = int(state["world_size"])
     partial_window = bool(state["micro_steps"] % state["gradient_accumulation_steps"])
-    if partial_window and saved_world != engine.world_size:
-        raise CheckpointError(
-            f"{path} was saved inside an accumulation window by {saved_world} process(es); "
-            f"this run has {engine.world_size}",
-            "the partial gradients of an unfinished window belong to the ranks that computed them",
-            "resume with the same number of processes, or from a checkpoint saved on a step boundary",
-        )
-    saved_format = str(state.get("state_format", "dcp"))
-    if saved_format != engine.backend.checkpoint_format:
-        raise CheckpointError(
-            f"{path} holds {saved_format} state; backend {engine.backend.name} reads "
-            f"{engine.backend.checkpoint_format} checkpoints",
-            "DeepSpeed's ZeRO checkpoints keep flat optimizer partitions that other backends cannot map "
-            "to parameters (and the other way round)",
-            f"resume with the backend that wrote it ({state.get('backend', saved_format)}), or start a "
-            "new run; DDP, FSDP and Horovod checkpoints load into each other",
-        )
+    current = json.loads(json.dumps(dataclasses.asdict(engine.config), default=str))
+    saved_config = json.loads(state["config"]) if "config" in state else {}
+    check_resumable(path, saved_config, current, partial_window=partial_window,
+                    with_optimizer=load_optimizer_states)  # fmt: skip
     engine.backend.load_state(
         engine.module, engine.optimizer if load_optimizer_states else None, path / STATE_DIR, group
     )
@@ -167,6 +164,10 @@ def load(
         for group_now, saved in zip(engine.optimizer.param_groups, state["optimizer_groups"], strict=True):
             group_now.update(saved)
     _apply_engine_state(engine, state)
+    if not partial_window:
+        # on a step boundary the split of train_batch_size may have changed: count the micro-steps
+        # in this run's accumulation, so that the next window is whole
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
     if saved_world == engine.world_size:
         restore_rng(_load(path / "rng" / f"rank{engine.rank}.pt"))
     else:
@@ -181,6 +182,19 @@ def load(
     _barrier()
     client_state: dict[str, Any] = state["client_state"]
     return path, client_state
+
+
+def _check_format(engine: Engine, path: Path, state: dict[str, Any]) -> None:
+    saved_format = str(state.get("state_format", "dcp"))
+    if saved_format != engine.backend.checkpoint_format:
+        raise CheckpointError(
+            f"{path} holds {saved_format} state; backend {engine.backend.name} reads "
+            f"{engine.backend.checkpoint_format} checkpoints",
+            "DeepSpeed's ZeRO checkpoints keep flat optimizer partitions that other backends cannot map "
+            "to parameters (and the other way round)",
+            f"resume with the backend that wrote it ({state.get('backend', saved_format)}), or start a "
+            "new run; DDP, FSDP and Horovod checkpoints load into each other",
+        )
 
 
 def _files_written_by(staging: Path, rank: int, backend: Backend) -> list[Path]:

@@ -362,14 +362,27 @@ class Engine:
         log.info("checkpoint saved: %s", handle.path)
 
     def load_checkpoint(
-        self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True
+        self,
+        load_dir: str | Path,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_module_only: bool = False,
     ) -> tuple[str, dict[str, Any]]:
-        """Restore a checkpoint; returns ``(path, client_state)``. ``tag`` None means the latest good one."""
+        """Restore a checkpoint; returns ``(path, client_state)``. ``tag`` None means the latest good one.
+
+        A resume continues the saved run: settings that shape the training must match the saved
+        ones (the split of train_batch_size over processes and accumulation may change on a step
+        boundary). ``load_module_only`` (DeepSpeed's name) takes the weights alone, for a new run.
+        """
         self.wait_for_checkpoint()
         self._last_saved = None
         path, client_state = engine_state.load(
-            self, load_dir, tag, load_optimizer_states, group=self._checkpoint_group()
-        )
+            self, load_dir, tag, load_optimizer_states, group=self._checkpoint_group(),
+            module_only=load_module_only,
+        )  # fmt: skip
+        if load_module_only:
+            log.info("weights loaded from %s; training starts at step 0", path)
+            return str(path), client_state
         self.backend.sync_counters(
             self.micro_steps, self.global_steps, self.global_samples, self.skipped_steps
         )

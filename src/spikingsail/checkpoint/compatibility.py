@@ -1,0 +1,89 @@
+"""What may differ between the run that saved a checkpoint and the run that resumes it.
+
+A resume continues the saved run, so every setting that shapes the training must be the one it was
+saved with; a difference is refused with the key, both values and what to do, never applied halfway
+(the restored optimizer, scheduler and loss-scaler state would silently override most new values).
+The split of ``train_batch_size`` over processes, micro-batches and accumulation may change: the engine
+re-counts its micro-steps so that the next optimizer step takes the next ``train_batch_size`` samples
+of the global order, whatever the split. Settings of where and how the run is kept (checkpoints,
+logging, timeouts, the backend among those sharing a checkpoint format, ZeRO stage) may change freely.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from spikingsail.checkpoint.store import CheckpointError
+
+SPLIT = ("world_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+"""How train_batch_size is divided: may change on a step boundary (re-counted exactly)."""
+FREE = (
+    "checkpoint",
+    "steps_per_print",
+    "sail.backend",  # within one checkpoint format (checked separately)
+    "sail.dist_backend",
+    "sail.progress_bar",
+    "sail.metrics_path",
+    "sail.timeout_minutes",
+    "sail.find_unused_parameters",
+    "sail.move_inputs_to_device",
+    "zero_optimization",  # how state is sharded, not what it is
+    "fp16.auto_cast",
+    "source",
+    "inert_keys",
+    "raw",
+)
+"""Keys (and sections) that change where or how the run is kept, not what it computes."""
+_EXEMPT_WITHOUT_OPTIMIZER = ("optimizer",)
+_UNSET = object()
+
+
+def check_resumable(
+    path: Path, saved: dict[str, Any], current: dict[str, Any], *, partial_window: bool, with_optimizer: bool
+) -> None:
+    """Raise ``CheckpointError`` naming every setting the resume cannot honour."""
+    exempt = FREE + (() if with_optimizer else _EXEMPT_WITHOUT_OPTIMIZER)
+    if not partial_window:
+        exempt += SPLIT
+    differences = list(_differences(saved, current, "", exempt))
+    if not differences:
+        return
+    split_only = all(d.split(":", 1)[0] in SPLIT for d in differences)
+    if split_only:
+        raise CheckpointError(
+            f"{path} was saved inside a gradient accumulation window; this run splits the batch "
+            f"differently ({'; '.join(differences)})",
+            "the window's partial gradients belong to the micro-batches and ranks that computed them",
+            "resume with the saved split, or from a checkpoint saved on a step boundary",
+        )
+    raise CheckpointError(
+        f"{path} cannot be resumed with this config: {'; '.join(differences)}",
+        "a resume continues the saved run, whose optimizer, scheduler, loss scaler, data order and "
+        "batch it restores; a changed setting would be overridden or would change the run halfway",
+        "set those keys back to the saved values to resume; to begin a new run from the saved weights "
+        "with new settings, call engine.load_checkpoint(DIR, TAG, load_module_only=True) instead of "
+        "--resume",
+    )
+
+
+def _differences(saved: Any, current: Any, prefix: str, exempt: tuple[str, ...]) -> Iterator[str]:
+    """``key: saved X, now Y`` for every differing key outside ``exempt``, sections compared key by
+    key while both sides are sections."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        for key in sorted(set(saved) | set(current)):
+            name = f"{prefix}{key}"
+            if not _under(name, exempt):
+                yield from _differences(saved.get(key, _UNSET), current.get(key, _UNSET), f"{name}.", exempt)
+    elif saved != current:
+        yield f"{prefix.rstrip('.')}: saved {_show(saved)}, now {_show(current)}"
+
+
+def _show(value: Any) -> str:
+    return "<unset>" if value is _UNSET else json.dumps(value)
+
+
+def _under(key: str, sections: tuple[str, ...]) -> bool:
+    return any(key == s or key.startswith(f"{s}.") for s in sections)

@@ -268,14 +268,14 @@ def test_a_rank_that_cannot_seal_fails_the_save_on_every_rank(tmp_path: Path) ->
 RESAVER = """
 import os, signal, sys, torch, spikingsail
 from spikingsail.environments import RankInfo
-config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
           "sail": {"progress_bar": False}}
 torch.manual_seed(0)
 engine, _ = spikingsail.initialize(model=torch.nn.Linear(3, 2), config=config, rank_info=RankInfo.single())
-engine.backward(engine(torch.ones(1, 3)).sum()); engine.step()
+engine.backward(engine(torch.ones(2, 3)).sum()); engine.step()
 engine.save_checkpoint(sys.argv[1], tag="same")
 print("saved", flush=True)
-engine.backward(engine(torch.ones(1, 3)).sum()); engine.step()
+engine.backward(engine(torch.ones(2, 3)).sum()); engine.step()
 real_replace = os.replace
 def dying_replace(src, dst):
     if os.path.basename(str(src)).startswith(".staging-"):  # the new checkpoint is about to go in

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
+from typing import Any
 
 import pytest
 import torch
 
+from spikingsail.optim import schedulers as spikingsail_schedulers
 from spikingsail.optim.schedulers import OneCycle, WarmupDecayLR, WarmupLR
 
 
@@ -62,12 +65,12 @@ def test_one_cycle_lr_and_momentum() -> None:
         decay_step_size=2,
     )
     values = lrs(schedule, 12)
-    assert values[1] == pytest.approx(0.1)
-    assert values[3] == pytest.approx(0.1 + 0.9 * 0.5)
-    assert values[5] == pytest.approx(1.0)  # peak after cycle_first_step_size
-    assert values[9] == pytest.approx(0.1)  # back down after the second half
-    assert values[11] == pytest.approx(0.1 * (1 + 0.5 * 1))  # decay: 2 steps past the cycle
-    assert schedule.optimizer.param_groups[0]["betas"][0] == pytest.approx(0.9)
+    assert values[0] == pytest.approx(0.1)  # before the first step: the minimum
+    assert values[1] == pytest.approx(0.1 + 0.9 * 0.25)  # the first step is a quarter of the way up
+    assert values[4] == pytest.approx(1.0)  # peak after cycle_first_step_size steps
+    assert values[8] == pytest.approx(0.1)  # back down after the second half
+    assert values[10] == pytest.approx(0.1 / (1 + 0.5 * 1))  # decay: divided, 2 steps past the cycle
+    assert schedule.optimizer.param_groups[0]["betas"] == pytest.approx((0.9, 0.99))
 
 
 def test_state_dict_restores_the_rate() -> None:
@@ -77,3 +80,49 @@ def test_state_dict_restores_the_rate() -> None:
     b.load_state_dict(a.state_dict())
     assert b.get_last_lr() == a.get_last_lr()
     assert b.optimizer.param_groups[0]["lr"] == a.optimizer.param_groups[0]["lr"]
+
+
+# DeepSpeed's own schedules are the reference: a DeepSpeed config must train with the same learning
+# rates (and, for OneCycle, the same Adam betas) here.
+DEEPSPEED_CASES = [
+    ("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 10}),
+    ("WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.11, "warmup_num_steps": 4, "warmup_type": "linear"}),
+    ("WarmupLR", {"warmup_max_lr": 0.1, "warmup_num_steps": 1, "warmup_type": "linear"}),
+    ("WarmupDecayLR", {"total_num_steps": 8, "warmup_max_lr": 0.2, "warmup_num_steps": 4, "warmup_type": "linear"}),
+    ("WarmupDecayLR", {"total_num_steps": 3, "warmup_max_lr": 0.2, "warmup_num_steps": 5}),
+    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_first_step_size": 4, "decay_lr_rate": 0.5,
+                  "decay_step_size": 2}),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 3,
+                  "cycle_second_step_size": 5, "decay_lr_rate": 0.2, "decay_step_size": 3, "decay_mom_rate": 0.01}),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 4, "cycle_second_step_size": 0}),
+    ("OneCycle", {"cycle_min_lr": 0.0, "cycle_max_lr": 0.1, "cycle_first_step_size": 6, "cycle_second_step_size": 4,
+                  "cycle_first_stair_count": 3, "cycle_second_stair_count": 2}),
+    ("OneCycle", {"cycle_min_lr": 0.0, "cycle_max_lr": 0.1, "cycle_first_step_size": 4, "cycle_first_stair_count": 2,
+                  "cycle_momentum": False}),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def deepspeed_schedules() -> Any:
+    """DeepSpeed's lr_schedules module; importing DeepSpeed exports variables, which are put back."""
+    saved = dict(os.environ)
+    try:
+        from deepspeed.runtime import lr_schedules
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return lr_schedules
+
+
+@pytest.mark.parametrize(("name", "params"), DEEPSPEED_CASES)
+def test_the_schedules_are_deepspeeds(deepspeed_schedules: Any, name: str, params: dict[str, float]) -> None:
+    ours = getattr(spikingsail_schedulers, name)(optimizer(), **params)
+    theirs = getattr(deepspeed_schedules, name)(optimizer(), **params)
+    for step in range(25):
+        ours_group, theirs_group = ours.optimizer.param_groups[0], theirs.optimizer.param_groups[0]
+        assert ours_group["lr"] == pytest.approx(theirs_group["lr"], abs=1e-12), f"lr after {step} steps"
+        assert ours_group["betas"] == pytest.approx(theirs_group["betas"], abs=1e-12), (
+            f"betas after {step} steps"
+        )
+        ours.step()
+        theirs.step()

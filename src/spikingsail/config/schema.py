@@ -83,7 +83,7 @@ class OptimizerConfig:
 @dataclass(kw_only=True, slots=True, frozen=True)
 class SchedulerConfig:
     type: str
-    """WarmupLR, WarmupDecayLR, WarmupCosineLR or OneCycle (DeepSpeed's definitions)."""
+    """WarmupLR, WarmupDecayLR or OneCycle (DeepSpeed's definitions)."""
     params: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the scheduler."""
 

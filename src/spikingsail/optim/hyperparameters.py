@@ -47,7 +47,7 @@ OPTIMIZER_PARAMS: dict[str, Range] = {
 SCHEDULER_PARAMS: dict[str, Range] = {
     "warmup_min_lr": _RATE,
     "warmup_max_lr": _RATE,
-    "warmup_num_steps": _STEPS,
+    "warmup_num_steps": Range(1, integer=True, why="DeepSpeed refuses 0; 1 and 2 both warm up over 2 steps"),
     "total_num_steps": Range(1, integer=True),
     "last_batch_iteration": Range(-1, integer=True, why="-1 starts the schedule from its beginning"),
     "cycle_min_lr": _RATE,

@@ -118,7 +118,13 @@ class WarmupDecayLR(WarmupLR):
 
 
 class OneCycle(IterationSchedule):
-    """Up from cycle_min_lr to cycle_max_lr and back, then decay; momentum (Adam's beta1) moves inversely."""
+    """Up from cycle_min_lr to cycle_max_lr and back, then decay; momentum (Adam's beta1) moves inversely.
+
+    As in DeepSpeed, the cycle's position counts the step being taken (iteration + 1), a stair count
+    holds the rate flat over that many stairs per half, the decay divides the minimum rate by
+    1 + decay_lr_rate × (steps past the cycle / decay_step_size), and cycling momentum sets Adam's
+    beta2 to 0.99.
+    """
 
     def __init__(
         self,
@@ -138,9 +144,14 @@ class OneCycle(IterationSchedule):
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        second = cycle_second_step_size if cycle_second_step_size is not None else cycle_first_step_size
-        self.total_size = float(cycle_first_step_size + second)
-        self.step_ratio = cycle_first_step_size / self.total_size
+        self.first_size = float(cycle_first_step_size)
+        self.second_size = float(
+            self.first_size if cycle_second_step_size is None else cycle_second_step_size
+        )
+        self.total_size = self.first_size + self.second_size
+        self.step_ratio = self.first_size / self.total_size
+        self.stairs = (cycle_first_stair_count,
+                       cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count)  # fmt: skip
         self.min_lr, self.max_lr, self.decay_lr_rate = cycle_min_lr, cycle_max_lr, decay_lr_rate
         self.decay_step_size = decay_step_size
         self.min_mom, self.max_mom, self.decay_mom_rate = cycle_min_mom, cycle_max_mom, decay_mom_rate
@@ -154,18 +165,32 @@ class OneCycle(IterationSchedule):
     def _set_beta1(self, beta1: float) -> None:
         if self.cycle_momentum:
             for group in self.optimizer.param_groups:
-                group["betas"] = (beta1, group["betas"][1])
+                group["betas"] = (beta1, 0.99)  # DeepSpeed's OneCycle fixes beta2 at 0.99
+
+    def _scale(self, iteration: int) -> float:
+        """Where in the cycle the step ``iteration`` is: 0 at the minimum, 1 at the peak."""
+        position = iteration + 1
+        x = 1.0 + position / self.total_size - math.floor(1 + position / self.total_size)
+        rising = x <= self.step_ratio
+        scale = x / self.step_ratio if rising else (x - 1) / (self.step_ratio - 1)
+        stairs = self.stairs[0] if rising else self.stairs[1]
+        if stairs > 0:  # from the integer position: the float scale can land just under a stair
+            into = position % self.total_size
+            if into <= self.first_size:
+                scale = math.floor(into * stairs / self.first_size) / stairs
+            else:
+                scale = math.floor((self.total_size - into) * stairs / self.second_size) / stairs
+        return scale
 
     def lr_at(self, iteration: int) -> list[float]:
-        if iteration <= self.total_size:
-            cycle = math.floor(1 + iteration / self.total_size)
-            x = 1.0 + iteration / self.total_size - cycle
-            scale = x / self.step_ratio if x <= self.step_ratio else (x - 1) / (self.step_ratio - 1)
+        if iteration < self.total_size:
+            scale = self._scale(iteration)
             lr = self.min_lr + (self.max_lr - self.min_lr) * scale
             self._set_beta1(self.max_mom - (self.max_mom - self.min_mom) * scale)
         else:
-            interval = (iteration - self.total_size) / self.decay_step_size if self.decay_step_size else 0.0
-            lr = self.min_lr * (1 + self.decay_lr_rate * interval)
+            past = iteration - self.total_size + 1
+            interval = past / self.decay_step_size if self.decay_step_size else 0.0
+            lr = self.min_lr / (1 + self.decay_lr_rate * interval)
             self._set_beta1(self.max_mom * (1 + self.decay_mom_rate * interval))
         return [lr] * len(self.optimizer.param_groups)
 

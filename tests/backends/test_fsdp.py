@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 
 import spikingsail
 from spikingsail.environments import RankInfo
-from spikingsail.errors import BackendError
+from spikingsail.errors import BackendError, SailError
 from tests.multiprocess import run_ranks, train_micro_steps
 
 pytestmark = pytest.mark.multiprocess
@@ -152,3 +152,26 @@ def test_close_ends_gloos_threads_while_the_model_lives_on(backend: str) -> None
     # crash the process (SIGSEGV / SIGABRT at exit).
     for training, closed in run_ranks(gloo_threads, 2, backend).values():
         assert "pt_gloo_runloop" in training and closed == [], (training, closed)
+
+
+def save_mid_window(tmp: str) -> str:
+    engine, _ = spikingsail.initialize(model=model(), config=config("fsdp"))
+    x, y = data()[:4]
+    engine.backward(F.cross_entropy(engine(x), y))
+    engine.step()  # micro-step 1 of a window of 2
+    try:
+        engine.save_checkpoint(tmp)
+        message = "no error"
+    except SailError as err:
+        message = f"{type(err).__name__}: {err}"
+    engine.close()
+    return message + f" | written: {sorted(p.name for p in Path(tmp).rglob('*'))}"
+
+
+def test_a_save_inside_an_accumulation_window_is_refused_before_writing(tmp_path: Path) -> None:
+    for message in run_ranks(save_mid_window, 2, str(tmp_path / "ckpt")).values():
+        assert message.startswith(
+            "CheckpointError: cannot save inside a gradient accumulation window with the fsdp"
+        )
+        assert "save after engine.step() on an accumulation boundary" in message
+        assert message.endswith("| written: []")

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from spikingsail.backends.process_group import ProcessGroupBackend
+from spikingsail.checkpoint.store import CheckpointError
 from spikingsail.config.schema import SailConfig
 from spikingsail.environments import RankInfo
 from spikingsail.errors import BackendError
@@ -79,6 +80,16 @@ class FSDPBackend(ProcessGroupBackend):
         if self.root is not None:
             self.root.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
+
+    def check_can_save(self, mid_window: bool) -> None:
+        if mid_window and self.root is not None:
+            raise CheckpointError(
+                "cannot save inside a gradient accumulation window with the fsdp backend",
+                "FSDP2 keeps the window's unsharded gradients inside its parameter groups, where "
+                "no checkpoint can reach them, so the resumed run would differ",
+                "save after engine.step() on an accumulation boundary "
+                "(engine.is_gradient_accumulation_boundary() before the step)",
+            )
 
     def clip_grad_norm_(self, parameters: Iterator[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)

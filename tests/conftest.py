@@ -32,6 +32,12 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.realpath(sys.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def pytest_report_header() -> str:
+    from tests.matrix.cells import session_seed
+
+    return f"differential matrix sample: SAIL_MATRIX_SEED={session_seed()}"
+
+
 @pytest.fixture(autouse=True)
 def _clean_process_state() -> Iterator[None]:
     before = dict(os.environ)

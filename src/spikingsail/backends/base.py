@@ -84,6 +84,10 @@ class Backend(ABC):
     def check_can_save(self, mid_window: bool) -> None:
         """Raise ``CheckpointError`` before anything is written when this save cannot be exact."""
 
+    def check_can_load(self, directory: Path, saved_world_size: int) -> None:
+        """Raise ``CheckpointError`` before anything is read when this backend cannot resume a
+        checkpoint that ``saved_world_size`` processes wrote."""
+
     def save_state(
         self,
         module: torch.nn.Module,

@@ -216,6 +216,19 @@ class DeepSpeedBackend(ProcessGroupBackend):
                 "(engine.is_gradient_accumulation_boundary() before the step)",
             )
 
+    def check_can_load(self, directory: Path, saved_world_size: int) -> None:
+        stage = self.config.zero_optimization.stage
+        if stage >= 1 and saved_world_size != self.rank_info.world_size:
+            raise CheckpointError(
+                f"{directory} was saved by {saved_world_size} process(es) with DeepSpeed ZeRO stage {stage}; "
+                f"this run has {self.rank_info.world_size}",
+                "DeepSpeed's ZeRO checkpoints hold each rank's partition of the optimizer state, and "
+                "DeepSpeed 0.19 cannot re-partition them for another world size",
+                f"resume on {saved_world_size} process(es), or convert the checkpoint with DeepSpeed's "
+                "ds_to_universal.py and load it outside SpikingSail; the ddp, fsdp and horovod backends "
+                "resume on any world size",
+            )
+
     def save_state(
         self,
         module: torch.nn.Module,
@@ -246,7 +259,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
             )
         except CheckpointError:
             raise
-        except (RuntimeError, ValueError, KeyError, AssertionError) as err:
+        except Exception as err:  # DeepSpeed raises its own types too (ZeRORuntimeException)
             raise CheckpointError(
                 f"DeepSpeed could not load {directory / STATE_TAG}",
                 f"{type(err).__name__}: {_first_line(err)}",

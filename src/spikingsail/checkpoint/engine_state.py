@@ -157,6 +157,7 @@ def load(
     saved_config = json.loads(state["config"]) if "config" in state else {}
     check_resumable(path, saved_config, current, partial_window=partial_window,
                     with_optimizer=load_optimizer_states)  # fmt: skip
+    engine.backend.check_can_load(path, saved_world)
     engine.backend.load_state(
         engine.module, engine.optimizer if load_optimizer_states else None, path / STATE_DIR, group
     )

@@ -24,7 +24,7 @@ from spikingsail.config.schema import SailConfig, summary
 from spikingsail.engine.engine import Engine, LRScheduler
 from spikingsail.environments import RankInfo, discover_rank_info
 from spikingsail.errors import ConfigError
-from spikingsail.monitor.logs import ensure_logging
+from spikingsail.monitor.logs import ensure_logging, report_sail_errors
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ class SpikingSail:
         self.config = config
 
     def run(self) -> tuple[Engine, torch.optim.Optimizer]:
+        report_sail_errors()
         source = _config_from_args(self.args, self.config)
         local_rank = getattr(self.args, "local_rank", None)
         return initialize(
@@ -128,6 +129,7 @@ def initialize(
     (or the config's ``checkpoint.path``) when there is one, and starts fresh when there is none
     yet — so the same command serves the first start and every restart.
     """
+    report_sail_errors()  # a mistake found before the rank is known prints clearly too
     rank_info = rank_info or discover_rank_info(local_rank_arg=local_rank)
     ensure_logging(rank_info.rank)
     _python_stacks_on_crash()

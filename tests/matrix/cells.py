@@ -1,0 +1,124 @@
+"""The matrix's cells, what each one guarantees, and the tolerance of each row (with the reason)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+from dataclasses import asdict, dataclass
+from typing import Any
+
+BACKENDS = {  # name in the matrix -> (sail.backend, zero_optimization.stage)
+    "ddp": ("ddp", 0),
+    "ddp+zero1": ("ddp", 1),
+    "fsdp": ("fsdp", 3),
+    "deepspeed-zero2": ("deepspeed", 2),
+    "horovod": ("horovod", 0),
+}
+PRECISIONS = ("fp32", "bf16")
+ACCUMULATIONS = (1, 3)
+SCHEDULERS = ("client", "config")
+INTERRUPTIONS = ("none", "boundary", "window", "world", "sigkill")
+WORLD = 2
+STEPS = 6
+STOP_STEP = 3
+"""Interrupted cells stop after optimizer step 3 (on its boundary, one micro-step into the next window,
+or SIGKILLed one micro-step after the periodic save of step 3)."""
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float
+    atol: float
+    why: str
+
+
+FP32 = Tolerance(
+    1e-5, 1e-6, "the same samples per step; 2 ranks sum the gradient in another order than 1 process"
+)
+BF16 = Tolerance(
+    2e-2,
+    2e-3,
+    "bf16 keeps 8 bits of mantissa: each rank rounds its own forward and partial gradient, one process "
+    "rounds the whole batch's, and 6 steps carry those roundings into the weights",
+)
+BF16_DEEPSPEED = Tolerance(
+    4e-2,
+    4e-3,
+    "DeepSpeed's bf16 keeps the model itself in bfloat16 (fp32 master weights in the optimizer); the "
+    "reference runs fp32 weights under bf16 autocast, and the weights compared are DeepSpeed's bf16 copies",
+)
+
+
+@dataclass(frozen=True)
+class Cell:
+    backend: str
+    precision: str
+    accumulation: int
+    scheduler: str
+    interruption: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.backend}-{self.precision}-acc{self.accumulation}-{self.scheduler}-{self.interruption}"
+
+    @classmethod
+    def parse(cls, text: str) -> Cell:
+        for cell in all_cells():
+            if cell.id == text:
+                return cell
+        raise SystemExit(f"no matrix cell {text!r}; `python -m tests.matrix --list` prints them")
+
+    @property
+    def refusal(self) -> str | None:
+        """The clear refusal this cell must meet, or None when it must train like the reference."""
+        if self.interruption == "window" and self.backend in ("fsdp", "deepspeed-zero2"):
+            return "cannot save inside a gradient accumulation window"
+        if self.interruption == "world" and self.backend == "deepspeed-zero2":
+            return "was saved by 2 process(es) with DeepSpeed ZeRO stage 2; this run has 1"
+        return None
+
+    @property
+    def tolerance(self) -> Tolerance:
+        if self.precision == "fp32":
+            return FP32
+        return BF16_DEEPSPEED if self.backend.startswith("deepspeed") else BF16
+
+    def spec(self) -> dict[str, Any]:
+        backend, stage = BACKENDS[self.backend]
+        return {**asdict(self), "sail_backend": backend, "stage": stage}
+
+
+def all_cells() -> list[Cell]:
+    cells = [
+        Cell(*combination)
+        for combination in itertools.product(BACKENDS, PRECISIONS, ACCUMULATIONS, SCHEDULERS, INTERRUPTIONS)
+    ]
+    # a window to save inside needs an accumulation of more than one micro-step
+    return [c for c in cells if not (c.interruption == "window" and c.accumulation == 1)]
+
+
+def sample(seed: int, count: int) -> list[Cell]:
+    """``count`` cells drawn with ``seed``, every backend and every interruption present."""
+    rng = random.Random(seed)
+    cells = all_cells()
+    rng.shuffle(cells)
+    chosen: list[Cell] = []
+    for axis in ("backend", "interruption"):
+        for value in sorted({getattr(c, axis) for c in cells}):
+            if not any(getattr(c, axis) == value for c in chosen):
+                chosen.append(next(c for c in cells if getattr(c, axis) == value and c not in chosen))
+    chosen += [c for c in cells if c not in chosen][: max(0, count - len(chosen))]
+    return sorted(chosen, key=lambda c: c.id)
+
+
+SAMPLE_SIZE = 14
+"""Cells per CI run (plus what it takes to cover every backend and interruption): about 10 minutes here."""
+
+
+def session_seed() -> int:
+    """The sample's seed: SAIL_MATRIX_SEED when given (to replay a run), else a new one, kept in the
+    environment so that every report of this run names the same."""
+    value = os.environ.get("SAIL_MATRIX_SEED") or str(random.SystemRandom().randrange(10**6))
+    os.environ["SAIL_MATRIX_SEED"] = value
+    return int(value)

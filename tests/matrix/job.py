@@ -1,0 +1,88 @@
+"""One matrix job: a small MLP on fixed data, trained for STEPS optimizer steps (or stopped on the way)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils.data import TensorDataset
+
+import spikingsail
+from spikingsail.errors import SailError
+from tests.matrix.cells import STEPS, STOP_STEP
+
+MICRO = 4
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(11)
+    return TensorDataset(torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g))
+
+
+def config(spec: dict[str, Any], accumulation: int, checkpoints: str | None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": 0.5,
+        "zero_optimization": {"stage": spec["stage"]},
+        "sail": {"backend": spec["sail_backend"], "seed": 7, "progress_bar": False},
+    }
+    if spec["precision"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if spec["scheduler"] == "config":
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1,
+                                                           "warmup_num_steps": 4, "warmup_type": "linear"}}  # fmt: skip
+    if spec["interruption"] == "sigkill" and checkpoints:
+        cfg["checkpoint"] = {"path": checkpoints, "interval_steps": STOP_STEP}
+    return cfg
+
+
+def whole(param: torch.Tensor) -> torch.Tensor:
+    full = param.full_tensor() if isinstance(param, DTensor) else param
+    return full.detach().float().cpu().clone()
+
+
+def run(
+    spec: dict[str, Any], accumulation: int, phase: str, checkpoints: str | None
+) -> dict[str, Any] | None:
+    """``phase``: "straight" (to the end), "first" (stop as the interruption says) or "resume"."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    scheduler = None
+    if spec["scheduler"] == "client":
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
+    try:
+        engine, _ = spikingsail.initialize(
+            model=net, optimizer=optimizer, lr_scheduler=scheduler, config=config(spec, accumulation, checkpoints),
+            checkpoints_path=checkpoints, resume=phase == "resume",
+        )  # fmt: skip
+    except SailError as err:
+        return {"refused": str(err)}
+    stop = {"boundary": STOP_STEP * accumulation, "window": STOP_STEP * accumulation + 1,
+            "sigkill": STOP_STEP * accumulation + 1, "world": STOP_STEP * accumulation}.get(spec["interruption"])  # fmt: skip
+    loader = engine.dataloader(dataset())
+    while engine.global_steps < STEPS:
+        for x, y in loader:
+            engine.backward(F.cross_entropy(engine(x).float(), y))
+            engine.step()
+            if phase == "first" and engine.micro_steps == stop:
+                if spec["interruption"] == "sigkill":
+                    os.kill(os.getpid(), signal.SIGKILL)  # the periodic save of step 3 is all there is
+                try:
+                    engine.save_checkpoint(str(checkpoints))
+                except SailError as err:
+                    engine.close()
+                    return {"refused": str(err)}
+                engine.close()
+                return {"stopped": engine.global_steps}
+            if engine.global_steps == STEPS:
+                break
+    result = {"params": {k: whole(v) for k, v in engine.module.named_parameters()}, "lr": engine.get_lr()[0],
+              "steps": engine.global_steps}  # fmt: skip
+    engine.close()
+    return result if engine.rank == 0 else None

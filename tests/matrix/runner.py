@@ -1,0 +1,72 @@
+"""Running a cell: its processes, its interruption, and the comparison with the reference."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from tests.matrix.cells import WORLD, Cell
+from tests.matrix.job import run
+from tests.multiprocess import run_ranks
+
+_references: dict[tuple[str, int, str], dict[str, Any]] = {}
+
+
+def reference(cell: Cell) -> dict[str, Any]:
+    """One process, plain DDP backend, the same global batch (each micro-batch the size of a rank's)."""
+    key = (cell.precision, cell.accumulation, cell.scheduler)
+    if key not in _references:
+        spec = {**Cell("ddp", cell.precision, cell.accumulation, cell.scheduler, "none").spec()}
+        result = run_ranks(run, 1, spec, cell.accumulation * WORLD, "straight", None)[0]
+        assert result is not None and "params" in result, result
+        _references[key] = result
+    return _references[key]
+
+
+def run_cell(cell: Cell) -> dict[str, Any]:
+    """The cell's final rank-0 result (params, lr, steps), or {"refused": message}."""
+    spec = cell.spec()
+    if cell.interruption == "none":
+        return _rank0(run_ranks(run, WORLD, spec, cell.accumulation, "straight", None))
+    with tempfile.TemporaryDirectory(prefix="sail-matrix-") as tmp:
+        checkpoints = str(Path(tmp) / "ck")
+        try:
+            first = _rank0(run_ranks(run, WORLD, spec, cell.accumulation, "first", checkpoints))
+        except ChildFailedError:
+            if cell.interruption != "sigkill":
+                raise
+            first = {"killed": True}
+        if "refused" in first:
+            return first
+        if cell.interruption == "world":  # resume on one process: the same train_batch_size
+            return _rank0(run_ranks(run, 1, spec, cell.accumulation * WORLD, "resume", checkpoints))
+        return _rank0(run_ranks(run, WORLD, spec, cell.accumulation, "resume", checkpoints))
+
+
+def _rank0(results: dict[int, Any]) -> dict[str, Any]:
+    result = results[0]
+    assert isinstance(result, dict), results
+    return result
+
+
+def check(cell: Cell, result: dict[str, Any]) -> None:
+    """Assert the cell's guarantee: its refusal, or the reference's weights within the row's tolerance."""
+    if cell.refusal is not None:
+        assert "refused" in result, f"{cell.id} must refuse ({cell.refusal}), but ran: {sorted(result)}"
+        assert cell.refusal in result["refused"], result["refused"]
+        return
+    assert "refused" not in result, f"{cell.id} refused: {result['refused']}"
+    expected = reference(cell)
+    assert result["steps"] == expected["steps"]
+    assert abs(result["lr"] - expected["lr"]) <= 1e-9 * max(1.0, abs(expected["lr"])), (
+        result["lr"],
+        expected["lr"],
+    )
+    tol = cell.tolerance
+    for key, value in expected["params"].items():
+        torch.testing.assert_close(result["params"][key], value, rtol=tol.rtol, atol=tol.atol,
+                                   msg=lambda m, k=key: f"{cell.id} {k}: {m} (tolerance: {tol.why})")  # fmt: skip

@@ -112,7 +112,7 @@ def sample(seed: int, count: int) -> list[Cell]:
     return sorted(chosen, key=lambda c: c.id)
 
 
-SAMPLE_SIZE = 14
+SAMPLE_SIZE = 24
 """Cells per CI run (plus what it takes to cover every backend and interruption): about 10 minutes here."""
 
 

@@ -13,6 +13,7 @@ from torch.utils.data import TensorDataset
 
 import spikingsail
 from spikingsail.errors import SailError
+from tests.device_copy import copying_device_moves
 from tests.matrix.cells import STEPS, STOP_STEP
 
 MICRO = 4
@@ -49,7 +50,17 @@ def whole(param: torch.Tensor) -> torch.Tensor:
 def run(
     spec: dict[str, Any], accumulation: int, phase: str, checkpoints: str | None
 ) -> dict[str, Any] | None:
-    """``phase``: "straight" (to the end), "first" (stop as the interruption says) or "resume"."""
+    """``phase``: "straight" (to the end), "first" (stop as the interruption says) or "resume".
+
+    Every cell runs with a GPU's device-copy semantics (tests/device_copy.py), so that a collective
+    path reading the tensor it moved instead of the one the collective wrote fails here too."""
+    with copying_device_moves():
+        return _run(spec, accumulation, phase, checkpoints)
+
+
+def _run(
+    spec: dict[str, Any], accumulation: int, phase: str, checkpoints: str | None
+) -> dict[str, Any] | None:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(6, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3))
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)

@@ -294,6 +294,22 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
+def processes_with(marker: str) -> dict[int, str]:
+    """Every process on this machine whose command line contains ``marker``, whatever its state
+    (stopped ones included), by pid: the nodes share this machine's process table."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in command:
+            found[int(entry.name)] = command.strip()
+    return found
+
+
 def main(argv: list[str]) -> int:
     """``python -m tests.cluster.harness CMD...``: run CMD on node1 of a fresh two-node cluster.
 

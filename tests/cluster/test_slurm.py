@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -157,4 +158,66 @@ def test_sail_submit_requeues_a_preempted_job_which_resumes_exactly(
     result = json.loads((out / "rank0.json").read_text())
     assert result["started_at"] >= 3
     assert result["digest"] == json.loads((tmp_path / "straight" / "rank0.json").read_text())["digest"]
+    assert_no_job_left(slurm)
+
+
+def test_two_jobs_whose_first_node_is_the_same_keep_their_own_rendezvous(
+    slurm: NamespaceCluster, tmp_path: Path
+) -> None:
+    """The second job's agents once found torchrun's port taken on node1, joined the first job's
+    store instead, and died when the first job ended. Each job now meets at its own port."""
+
+    def start(name: str, steps: int) -> subprocess.Popen[str]:
+        argv = ["salloc", "-N", "2", "--ntasks-per-node", "1", *SAIL, str(JOB), str(tmp_path / name),
+                "--steps", str(steps), "--step-sleep", "0.2"]  # fmt: skip
+        log = (tmp_path / f"{name}.log").open("w")
+        return subprocess.Popen(
+            slurm.node_argv("node1", argv),
+            cwd=tmp_path,
+            env=slurm.slurm_env(),
+            stdout=log,
+            stderr=log,
+            text=True,
+        )
+
+    def started(name: str) -> bool:
+        return all((tmp_path / name / f"started{rank}").exists() for rank in (0, 1))
+
+    first = start("first", 75)  # about 15 s of steps
+    deadline = time.monotonic() + 90
+    while not started("first"):
+        assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[
+            -3000:
+        ]
+        time.sleep(0.2)
+    second = start("second", 200)  # still training when the first job ends
+    assert first.wait(timeout=180) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    assert second.wait(timeout=180) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    for name, steps in (("first", 75), ("second", 200)):
+        ranks = [json.loads(p.read_text()) for p in sorted((tmp_path / name).glob("rank*.json"))]
+        assert [(r["rank"], r["host"], r["steps"]) for r in ranks] == [
+            (0, "node1", steps),
+            (1, "node2", steps),
+        ]
+    endpoints = [
+        re.search(r"--rdzv-endpoint (\S+)", (tmp_path / f"{name}.log").read_text())[1]  # type: ignore[index]
+        for name in ("first", "second")
+    ]
+    assert endpoints[0].startswith("node1:") and endpoints[1].startswith("node1:")
+    assert endpoints[0] != endpoints[1]
+    assert_no_job_left(slurm)
+
+
+ARGV_JOB = Path(__file__).with_name("jobs") / "argv_job.py"
+HOSTILE = ["$(touch pwned)", 'a"b', "$UNSET", "`touch pwned`", "it's", "two\nlines", "--out=$HOME/x", "*"]
+
+
+def test_sail_submit_passes_every_argument_as_typed(slurm: NamespaceCluster, tmp_path: Path) -> None:
+    argv = [*SUBMIT, "-N", "2", "-J", "sailargs", "--wait", str(ARGV_JOB), str(tmp_path / "out"), *HOSTILE]
+    result = slurm.run("node1", argv, cwd=tmp_path, env=slurm.slurm_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ended: COMPLETED, exit status 0" in result.stdout
+    for rank in (0, 1):
+        assert json.loads((tmp_path / "out" / f"argv{rank}.json").read_text()) == HOSTILE
+    assert not (tmp_path / "pwned").exists()
     assert_no_job_left(slurm)

@@ -14,10 +14,10 @@ import torch
 
 from spikingsail.errors import LaunchError
 from spikingsail.launchers import plan
+from spikingsail.launchers.failure import Failure
 from spikingsail.launchers.horovodrun import remote_hosts
-from spikingsail.launchers.remote_env import FORWARDED_PREFIXES
+from spikingsail.launchers.remote_env import FORWARDED_NAMES, FORWARDED_PREFIXES
 from spikingsail.launchers.request import parse_request
-from spikingsail.launchers.supervisor import Failure
 
 GOLDEN = Path(__file__).with_name("golden")
 JOB = Path(__file__).parents[1] / "backends" / "jobs" / "horovod_job.py"
@@ -29,7 +29,11 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").touch()
     for key in list(os.environ):
-        if key.startswith((*FORWARDED_PREFIXES, "HOROVOD_", "MASTER_")) or key in ("USER", "SSH_AUTH_SOCK"):
+        if key.startswith((*FORWARDED_PREFIXES, "HOROVOD_", "MASTER_")) or key in {
+            *FORWARDED_NAMES,
+            "USER",
+            "SSH_AUTH_SOCK",
+        }:
             monkeypatch.delenv(key)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.sail_env
     monkeypatch.setenv("PATH", "/usr/local/bin:/usr/bin:/bin")
@@ -41,6 +45,7 @@ def test_horovodrun_command(job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "33554432")  # Horovod tuning: shipped
     monkeypatch.setenv("HOROVOD_RANK", "5")  # horovodrun sets it per process: never from the shell
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")  # anything else stays here
+    monkeypatch.setenv("HOROVOD_GLOO_TOKEN", "s3cr3t")  # a credential's name: stays here too
     (command,) = plan(parse_request([
         "--launcher", "horovodrun", "-H", "node1:2,node2:2", "-np", "3", "--ssh-port", "222",
         "--master-port", "23456", "--env", "SAIL_PROBE=yes", "--launcher-args=--verbose",
@@ -48,7 +53,13 @@ def test_horovodrun_command(job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ]))  # fmt: skip
     expected = (GOLDEN / "horovodrun.txt").read_text().format(python=sys.executable, home=job / "home")
     assert command.render() == expected.rstrip("\n")
-    assert command.env == {}  # everything the ranks get is in the command line
+    # what the ranks get is horovodrun's whole environment, and no value is on its command line
+    assert command.clean_env
+    assert command.env == {
+        "HOME": str(job / "home"), "PATH": "/usr/local/bin:/usr/bin:/bin", "HOROVOD_FUSION_THRESHOLD": "33554432",
+        "MASTER_ADDR": "node1", "MASTER_PORT": "23456", "NCCL_DEBUG": "INFO", "SAIL_PROBE": "yes",
+    }  # fmt: skip
+    assert command.argv[0] == sys.executable and not any("=" in arg for arg in command.argv)
 
 
 def test_without_hosts_every_process_runs_here(job: Path) -> None:
@@ -127,7 +138,7 @@ def test_sail_launch_with_horovodrun_trains_two_ranks(tmp_path: Path) -> None:
 def test_a_failed_rank_is_named_with_its_own_last_output() -> None:
     tail = [
         "[1]<stderr>:Traceback (most recent call last):",
-        "[1]<stderr>:spikingsail.errors.ConfigError: <dict>: horovod.op is 'Sum'",
+        "[1]<stderr>:ValueError: horovod.op is 'Sum'",
         "[0]<stderr>:[rank0] waiting for rank 1",
         "Traceback (most recent call last):",
         "RuntimeError: Horovod detected that one or more processes exited with non-zero status, thus "
@@ -139,6 +150,40 @@ def test_a_failed_rank_is_named_with_its_own_last_output() -> None:
     assert text.startswith(
         "horovodrun failed (exit status 1): rank 1 exited with 1 first; its last output:\n"
     )
-    assert text.endswith(
-        "\n    Traceback (most recent call last):\n    spikingsail.errors.ConfigError: <dict>: horovod.op is 'Sum'"
+    assert text.endswith("\n    Traceback (most recent call last):\n    ValueError: horovod.op is 'Sum'")
+
+
+def test_a_rank_stopped_by_a_sail_error_is_reported_with_its_message() -> None:
+    tail = [
+        "[1]<stderr>:Traceback (most recent call last):",
+        "[1]<stderr>:spikingsail.errors.ConfigError: <dict>: horovod.op is 'Sum'",
+        "[1]<stderr>:  why: Horovod sums with op 'Sum' only as 'Average' divided by the size",
+        "[0]<stderr>:  why: a line of another rank",
+        "[1]<stderr>:  fix: write 'Average'",
+        "Process name: 1",
+        "Exit code: 1",
+    ]
+    tail[-2:-2] = ["The first process to do so was:"]
+    failure = Failure(host="localhost", exit_code=1, tail=tail)
+    assert failure.describe() == (
+        "horovodrun failed (exit status 1): rank 1 exited with 1 first; the rank's error:\n"
+        "ConfigError: <dict>: horovod.op is 'Sum'\n"
+        "  why: Horovod sums with op 'Sum' only as 'Average' divided by the size\n"
+        "  fix: write 'Average'"
     )
+
+
+def test_a_credential_for_remote_hosts_is_refused_not_put_on_their_ssh_command_line(job: Path) -> None:
+    with pytest.raises(
+        LaunchError, match=r"would show WANDB_API_KEY on the ssh command line of node1"
+    ) as err:
+        plan(parse_request(["--launcher", "horovodrun", "-H", "node1:2,node2:2", "--env", "WANDB_API_KEY=k3y",
+                            "train.py"]))  # fmt: skip
+    assert "k3y" not in str(err.value) and "--launcher ssh, pdsh or mpirun" in str(err.value)
+
+
+def test_a_credential_for_this_machine_only_goes_in_horovodruns_environment(job: Path) -> None:
+    (command,) = plan(parse_request(["--launcher", "horovodrun", "-H", "localhost:2", "--env", "WANDB_API_KEY=k3y",
+                                     "train.py"]))  # fmt: skip
+    assert command.env["WANDB_API_KEY"] == "k3y"
+    assert not any("k3y" in arg for arg in command.argv) and "k3y" not in command.render()

@@ -37,8 +37,21 @@ def test_bare_host_takes_nproc_per_node(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("node1 slots=4\nnode2 slots=four\n", r"hostfile:2: slot count 'four' is not a positive integer"),
+        (
+            "node1 slots=4\nnode2 slots=four\n",
+            r"hostfile:2: slot count 'four' is not an integer from 1 to 4096",
+        ),
         ("node1 slots=4\nnode2 slots=0\n", r"hostfile:2: slot count '0'"),
+        (
+            "node1 slots=99999999999999999999\n",
+            r"hostfile:1: slot count '99999999999999999999' is not an integer",
+        ),
+        ("node1 slots=²\n", r"hostfile:1: slot count '²' is not an integer"),
+        (
+            "node1 slots=1\n-v slots=1\n",
+            r"hostfile:2: '-v' is not a host name\n  why: a name starting with '-'",
+        ),
+        ("node1 slots=1\nnöde slots=1\n", r"hostfile:2: 'nöde' is not a host name"),
         ("node1 slots=4 extra\n", r"hostfile:1: cannot read 'node1 slots=4 extra'"),
         ("node1 slots=2\nnode1 slots=2\n", r"hostfile:2: host node1 is listed again \(first on line 1\)"),
         ("# nothing\n\n", r"lists no hosts"),
@@ -60,8 +73,26 @@ def test_horovod_host_list() -> None:
         Node(host="h2", slots=(0,)),
         Node(host="h3", slots=(0,)),
     ]
-    with pytest.raises(LaunchError, match="cannot read 'h2:x'"):
+    with pytest.raises(LaunchError, match="'h2:x': slot count 'x' is not an integer from 1 to 4096"):
         parse_host_list("h1:2,h2:x")
+
+
+def test_a_host_starting_with_a_dash_is_refused_where_it_is_read(tmp_path: Path) -> None:
+    with pytest.raises(
+        LaunchError, match=r"-H '-oProxyCommand=touch X:1': '-oProxyCommand=touch X' is not a host"
+    ):
+        parse_host_list("-oProxyCommand=touch X:1")
+    path = tmp_path / "hostfile"
+    path.write_bytes(b"node1 slots=1\n-oProxyCommand=touch slots=1\n")
+    with pytest.raises(LaunchError, match=r"hostfile:2: '-oProxyCommand=touch' is not a host name"):
+        parse_hostfile(path)
+
+
+def test_a_line_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "hostfile"
+    path.write_bytes(b"node1 slots=1\nnode2 slots=\xff\n")
+    with pytest.raises(LaunchError, match=r"hostfile:2: the line is not UTF-8 text \(byte 13\)"):
+        parse_hostfile(path)
 
 
 NODES = [Node(host="a", slots=(0, 1, 2, 3)), Node(host="b", slots=(0, 1, 2, 3)), Node(host="c", slots=(0, 1))]

@@ -7,13 +7,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from spikingsail.errors import LaunchError
 from spikingsail.launchers import plan
+from spikingsail.launchers.command import FORWARDED
 from spikingsail.launchers.request import FORWARDED_SIGNALS, parse_request
+from tests.cluster.harness import processes_with
 
 SAIL = [sys.executable, "-m", "spikingsail.cli.main"]
 
@@ -144,3 +147,110 @@ def test_a_plain_torchrun_script_runs_unchanged(tmp_path: Path) -> None:
     records = [json.loads(p.read_text()) for p in sorted((tmp_path / "out").glob("rank*.json"))]
     assert [(r["rank"], r["world_size"], r["local_rank"]) for r in records] == [(0, 2, 0), (1, 2, 1)]
     assert records[0]["digest"] == records[1]["digest"]
+
+
+SIGNAL_JOB = Path(__file__).parents[1] / "cluster" / "jobs" / "signal_job.py"
+
+
+def wait_for(condition: Callable[[], bool], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("signum", FORWARDED, ids=lambda s: s.name)
+def test_every_forwarded_signal_reaches_the_workers_and_leaves_nothing(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    out = tmp_path / "out"
+    with (tmp_path / "stderr").open("w") as stderr:
+        launcher = subprocess.Popen(
+            [*SAIL, "launch", "-n", "2", str(SIGNAL_JOB), str(out)],
+            cwd=tmp_path,
+            stdout=stderr,
+            stderr=stderr,
+        )
+    try:
+        wait_for(lambda: all((out / f"started{r}").exists() for r in (0, 1)), 90, "the workers did not start")
+        launcher.send_signal(signum)
+        # every process of the job, the launcher's included, is gone within 10 s
+        wait_for(
+            lambda: not processes_with(str(out)), 10, f"left after {signum.name}: {processes_with(str(out))}"
+        )
+        assert launcher.wait(timeout=5) != 0
+        if signum == signal.SIGUSR1:
+            assert (out / "usr1-0").exists() and (out / "usr1-1").exists()  # the workers got it
+    finally:
+        (out / "stop").touch()
+        launcher.kill()
+
+
+@pytest.mark.multiprocess
+def test_a_sail_error_of_one_rank_is_the_failure_reason(tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import os, time\n"
+        "from spikingsail.errors import ConfigError\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    raise ConfigError(\"train.json: 'gradient_clipping' is NaN\", 'clipping by NaN turns clipping off',\n"
+        "                      'give a positive number, or 0 for no clipping')\n"
+        "time.sleep(60)\n"
+    )
+    result = run_sail("launch", "-n", "2", str(script), cwd=tmp_path)
+    assert result.returncode != 0
+    assert result.stderr.rstrip().splitlines()[-4:] == [
+        "sail launch: node localhost failed (agent exit status 1), rank 1 (local rank 1) exited with 1; "
+        "the rank's error:",
+        "ConfigError: train.json: 'gradient_clipping' is NaN",
+        "  why: clipping by NaN turns clipping off",
+        "  fix: give a positive number, or 0 for no clipping",
+    ], result.stderr[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_an_engine_config_invalid_on_one_rank_is_the_failure_reason(tmp_path: Path) -> None:
+    script = tmp_path / "bad_config.py"
+    script.write_text(
+        "import os, torch, spikingsail\n"
+        "config = {'train_micro_batch_size_per_gpu': 8, 'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}}\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    config['gradient_clipping'] = 'abc'\n"
+        "engine, _ = spikingsail.initialize(model=torch.nn.Linear(2, 2), config=config)\n"
+        "engine.close()\n"
+    )
+    result = run_sail("launch", "-n", "2", str(script), cwd=tmp_path)
+    assert result.returncode != 0
+    reason = result.stderr[result.stderr.rindex("sail launch: ") :].splitlines()
+    assert "rank 1 (local rank 1) exited with 1; the rank's error:" in reason[0], reason
+    # the rank's message, however the worker printed it (a traceback, or the message alone)
+    assert "gradient_clipping" in reason[1] and "'abc'" in reason[1], reason
+    assert all(line.startswith(("  why: ", "  fix: ", "       ")) for line in reason[2:]), reason
+
+
+def test_stderr_stays_a_terminal_for_the_workers(tmp_path: Path) -> None:
+    """When sail launch's stderr is a terminal, the workers' is too (progress bars stay on)."""
+    import pty
+
+    script = tmp_path / "which_stderr.py"
+    script.write_text(
+        "import os, sys\nprint(f\"rank{os.environ['RANK']} isatty={sys.stderr.isatty()}\", file=sys.stderr)\n"
+    )
+    reader, writer = pty.openpty()
+    launcher = subprocess.Popen([*SAIL, "launch", "-n", "2", str(script)], cwd=tmp_path, stderr=writer,
+                                stdout=subprocess.DEVNULL)  # fmt: skip
+    os.close(writer)
+    said = b""
+    while chunk := _read(reader):
+        said += chunk
+    os.close(reader)
+    assert launcher.wait(timeout=60) == 0
+    assert b"rank0 isatty=True" in said and b"rank1 isatty=True" in said, said.decode(errors="replace")
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # EIO: every writer of the pseudo-terminal closed
+        return b""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shlex
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,16 +12,9 @@ import pytest
 
 from spikingsail.errors import LaunchError
 from spikingsail.launchers import plan
-from spikingsail.launchers.remote_env import read_env_file, remote_env
-from spikingsail.launchers.request import FORWARDED_SIGNALS, parse_request
-
-
-@pytest.fixture
-def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "train.py").touch()
-    (tmp_path / "hostfile").write_text("node1 slots=2\nnode2 slots=2\n")
-    return tmp_path
+from spikingsail.launchers.command import LaunchCommand
+from spikingsail.launchers.preflight import check_hosts
+from spikingsail.launchers.request import FORWARDED_SIGNALS, SSHOptions, parse_request
 
 
 def setenv(monkeypatch: pytest.MonkeyPatch, variables: dict[str, str]) -> None:
@@ -54,6 +49,10 @@ def test_ssh_plan_one_agent_per_node(job: Path) -> None:
         assert command.argv[:2] == ["ssh", "-tt"]
         assert {"BatchMode=yes", "ConnectTimeout=10"} <= set(command.argv)
         assert command.argv[command.argv.index("-p") + 1] == "222"
+        # ssh reads no option after "--": whatever the host's name, it is a host
+        for argv in (command.argv, command.cleanup, command.relay):
+            assert argv is not None and argv[argv.index("--") + 1] == command.host, argv
+        assert command.uploads == []  # nothing to ship
         words = remote(command.argv)
         assert words[:3] == ["cd", str(job), "&&"]
         agent = words[words.index(sys.executable) :]
@@ -85,7 +84,7 @@ def test_include_slots_become_cuda_visible_devices(job: Path) -> None:
     (node,) = plan(parse_request(["-H", "hostfile", "--include", "node2:1", "train.py"]))
     words = remote(node.argv)
     assert node.host == "node2"
-    assert "CUDA_VISIBLE_DEVICES=1" in words
+    assert [u.env for u in node.uploads] == [{"CUDA_VISIBLE_DEVICES": "1"}]
     assert words[words.index("--nnodes") + 1] == "1" and words[words.index("--nproc-per-node") + 1] == "1"
     assert words[words.index("--rdzv-endpoint") + 1] == "node2:29500"
 
@@ -105,28 +104,6 @@ def test_pdsh_groups_nodes_and_returns_remote_failures(job: Path) -> None:
     assert command.argv[:6] == ["pdsh", "-S", "-f", "1024", "-w", "node1,node2"]
     assert command.env["PDSH_RCMD_TYPE"] == "ssh"
     assert "-F cfg" in command.env["PDSH_SSH_ARGS_APPEND"] and "-tt" in command.env["PDSH_SSH_ARGS_APPEND"]
-
-
-def test_environment_shipped_is_explicit(job: Path) -> None:
-    (job / ".sail_env").write_text(
-        "# cluster settings\nNCCL_SOCKET_IFNAME=eth0\nexport GLOO_SOCKET_IFNAME='eth0'\n"
-    )
-    shell = {"NCCL_DEBUG": "INFO", "AWS_SECRET_ACCESS_KEY": "s3cr3t", "HOME": "/root", "OMP_NUM_THREADS": "4"}
-    env = remote_env({"NCCL_DEBUG": "WARN"}, shell=shell, search=(job / ".sail_env",))
-    assert env == {
-        "NCCL_DEBUG": "WARN",
-        "OMP_NUM_THREADS": "4",
-        "NCCL_SOCKET_IFNAME": "eth0",
-        "GLOO_SOCKET_IFNAME": "eth0",
-    }
-
-
-def test_bad_env_file_line_and_flag(job: Path) -> None:
-    (job / ".sail_env").write_text("A=1\nnot an assignment\n")
-    with pytest.raises(LaunchError, match=r"\.sail_env:2: cannot read 'not an assignment'"):
-        read_env_file(job / ".sail_env")
-    with pytest.raises(LaunchError, match="--env 'NOEQUALS' is not KEY=VALUE"):
-        parse_request(["-H", "hostfile", "--env", "NOEQUALS", "train.py"])
 
 
 def test_flags_that_need_hosts(job: Path) -> None:
@@ -190,6 +167,8 @@ def test_inside_an_allocation_srun_starts_one_agent_per_node(
 ) -> None:
     setenv(monkeypatch, ALLOCATION)
     (command,) = plan(parse_request(["--max-restarts", "1", "train.py", "--epochs", "3"]))
+    run_id = command.argv[command.argv.index("--rdzv-id") + 1]
+    assert run_id.startswith("77-") and len(run_id) == len("77-") + 8
     assert command.argv == [
         "srun",
         "--nodes",
@@ -207,9 +186,9 @@ def test_inside_an_allocation_srun_starts_one_agent_per_node(
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        "gpu07:29500",
+        "gpu07:15077",  # 15000 + job id mod 15000, as for srun tasks
         "--rdzv-id",
-        "77",
+        run_id,
         "--max-restarts",
         "1",
         "--signals-to-handle",
@@ -241,3 +220,68 @@ def test_dist_init_slurm_starts_one_task_per_process(job: Path, monkeypatch: pyt
 def test_slurm_launcher_outside_an_allocation(job: Path) -> None:
     with pytest.raises(LaunchError, match="--launcher slurm outside a SLURM allocation"):
         parse_request(["--launcher", "slurm", "train.py"])
+
+
+def rendezvous(command: LaunchCommand) -> tuple[str, str]:
+    argv = command.argv
+    return argv[argv.index("--rdzv-endpoint") + 1], argv[argv.index("--rdzv-id") + 1]
+
+
+def test_two_slurm_jobs_meet_at_their_own_port_under_their_own_id(
+    job: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = []
+    for job_id in ("77", "78"):
+        setenv(monkeypatch, {**ALLOCATION, "SLURM_JOB_ID": job_id})
+        (command,) = plan(parse_request(["train.py"]))
+        seen.append(rendezvous(command))
+    assert seen[0][0] == "gpu07:15077" and seen[1][0] == "gpu07:15078"
+    assert seen[0][1].startswith("77-") and seen[1][1].startswith("78-")
+    # the user's own choice stands
+    (command,) = plan(parse_request(["--master-port", "29555", "--rdzv-id", "mine", "train.py"]))
+    assert rendezvous(command) == ("gpu07:29555", "mine")
+
+
+def test_a_taken_port_on_this_first_node_is_passed_over(job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside an sbatch script the first node is this machine: a port in use there is skipped."""
+    with socket.socket() as taken:
+        for job_id in range(4000, 4100):
+            try:
+                taken.bind(("", 15000 + job_id))
+            except OSError:
+                continue
+            break
+        taken.listen()
+        setenv(monkeypatch, {**ALLOCATION, "SLURM_JOB_ID": str(job_id), "SLURM_JOB_NODELIST": "localhost"})
+        (command,) = plan(parse_request(["train.py"]))
+    host, port = rendezvous(command)[0].split(":")
+    assert host == "localhost" and 15000 + job_id < int(port) < 15000 + job_id + 64
+
+
+SAIL = [sys.executable, "-m", "spikingsail.cli.main", "launch"]
+
+
+def test_a_host_name_that_is_an_ssh_option_starts_nothing(job: Path) -> None:
+    """The payload of a ProxyCommand host name, through the whole of `sail launch` (preflight included)."""
+    payload = job / "pwned"
+    (job / "dashed").write_text(f"node1 slots=1\n-oProxyCommand=touch\t{payload} slots=1\n")
+    cases = {f"-oProxyCommand=touch {payload}:1": f"-H '-oProxyCommand=touch {payload}:1'",
+             "dashed": "dashed:2: '-oProxyCommand=touch' is not a host name"}  # fmt: skip
+    for spec, where in cases.items():
+        done = subprocess.run(
+            [*SAIL, "-H", spec, "train.py"], capture_output=True, text=True, timeout=120, check=False
+        )
+        assert done.returncode == 2, done.stderr
+        assert where in done.stderr and "a name starting with '-' would reach ssh" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+        assert not payload.exists()
+
+
+def test_ssh_reads_a_host_name_as_a_host_even_if_it_starts_with_a_dash(job: Path) -> None:
+    payload = job / "pwned"
+    argv = SSHOptions(connect_timeout=2).command(f"-oProxyCommand=touch {payload}", "true")
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 255 and not payload.exists()
+    with pytest.raises(LaunchError, match="cannot reach 1 of 1 host"):
+        check_hosts([f"-oProxyCommand=touch {payload}"], SSHOptions(connect_timeout=2))
+    assert not payload.exists()

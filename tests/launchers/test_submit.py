@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -66,3 +69,40 @@ def test_requeue_script_catches_the_signal_and_requeues(workdir: Path) -> None:
 def test_requeue_without_resume_warns(workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
     parse_submit(["--requeue", "train.py"])
     assert "a requeued run starts over" in caplog.text
+
+
+# Arguments a shell would run, split or stop at if they were not quoted for it.
+HOSTILE = ["$(touch pwned)", 'a"b', "$UNSET", "`touch pwned`", "it's", "two\nlines", "--out=$HOME/x", "*"]
+
+
+@pytest.mark.parametrize("flags", [[], ["--requeue"], ["--dist-init-method", "slurm"]])
+def test_every_argument_reaches_the_step_as_typed(workdir: Path, flags: list[str]) -> None:
+    """The generated script runs for real under bash (set -euo pipefail), with srun and scontrol as
+    shell functions that record what the script passes them."""
+    request, _ = parse_submit([*flags, "train.py", *HOSTILE])
+    script = request.render().replace(
+        "set -euo pipefail\n",
+        "set -euo pipefail\n"
+        f"srun() {{ printf '%s\\0' \"$@\" > {workdir / 'argv'}; }}\n"
+        "scontrol() { echo node1; }\n",
+    )
+    env = {"PATH": os.environ["PATH"], "HOME": str(workdir), "SLURM_JOB_ID": "7", "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "node[1-2]"}  # fmt: skip
+    done = subprocess.run(
+        ["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    argv = (workdir / "argv").read_text().split("\0")[:-1]
+    assert argv[-len(HOSTILE) - 1 :] == ["train.py", *HOSTILE]
+    assert not (workdir / "pwned").exists()
+    assert argv[argv.index("--nodes") + 1] == "2"  # the allocation's own words are still expanded
+    if "--rdzv-id" in argv:
+        assert argv[argv.index("--rdzv-id") + 1] == "7"
+        assert re.fullmatch(r"node1:\d+", argv[argv.index("--rdzv-endpoint") + 1])
+
+
+def test_a_line_break_in_a_directive_is_refused(workdir: Path) -> None:
+    with pytest.raises(LaunchError, match=r"--job-name 'x\\ntouch pwned' contains a line break"):
+        parse_submit(["-J", "x\ntouch pwned", "train.py"])
+    with pytest.raises(LaunchError, match=r"--sbatch-arg '--comment=a\\rb' contains a line break"):
+        parse_submit(["--sbatch-arg=--comment=a\rb", "train.py"])

@@ -7,8 +7,9 @@ import sys
 
 from spikingsail.errors import LaunchError
 from spikingsail.launchers import plan
-from spikingsail.launchers.command import run_local
+from spikingsail.launchers.failure import Failure
 from spikingsail.launchers.horovodrun import remote_hosts
+from spikingsail.launchers.local import run_local
 from spikingsail.launchers.preflight import check_hosts
 from spikingsail.launchers.request import parse_request
 from spikingsail.launchers.supervisor import supervise
@@ -26,21 +27,27 @@ def run(argv: list[str]) -> int:
     if request.launcher == "local":
         (command,) = commands
         log.info("launching %s process(es): %s", request.nproc_per_node, command.render())
-        return run_local(command)
-    if request.nodes:
-        reached = [n.host for n in request.nodes]
-        if request.launcher == "horovodrun":
-            reached = remote_hosts(reached)  # horovodrun starts this machine's ranks without ssh
-        if reached:
-            check_hosts(reached, request.ssh)
-        hosts = ", ".join(f"{n.host}×{n.nproc}" for n in request.nodes)
-        log.info("launching on %d node(s) with %s: %s", len(request.nodes), request.launcher, hosts)
+        status, failure = run_local(command)
     else:
-        log.info("launching with %s: %s", request.launcher, commands[0].render())
-    status, failure = supervise(commands)
+        if request.nodes:
+            reached = [n.host for n in request.nodes]
+            if request.launcher == "horovodrun":
+                reached = remote_hosts(reached)  # horovodrun starts this machine's ranks without ssh
+            if reached:
+                check_hosts(reached, request.ssh)
+            hosts = ", ".join(f"{n.host}×{n.nproc}" for n in request.nodes)
+            log.info("launching on %d node(s) with %s: %s", len(request.nodes), request.launcher, hosts)
+        else:
+            log.info("launching with %s: %s", request.launcher, commands[0].render())
+        status, failure = supervise(commands)
     if failure is not None:
-        print(
-            f"sail launch: {LaunchError(failure.describe(), fix='see the node output above')}",
-            file=sys.stderr,
-        )
+        _report(failure)
     return status
+
+
+def _report(failure: Failure) -> None:
+    """The job's failure reason, last: the rank's own SpikingSail error when it stopped on one."""
+    text = failure.describe()
+    if failure.reported is None:
+        text = str(LaunchError(text, fix="see the node output above"))
+    print(f"sail launch: {text}", file=sys.stderr, flush=True)

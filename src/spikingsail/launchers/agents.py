@@ -8,8 +8,10 @@ import sys
 import uuid
 from dataclasses import dataclass
 
+from spikingsail.launchers.command import Upload
 from spikingsail.launchers.hostfile import Node
-from spikingsail.launchers.request import LaunchRequest
+from spikingsail.launchers.remote_env import EnvFile
+from spikingsail.launchers.request import LaunchRequest, SSHOptions
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -45,16 +47,16 @@ def agent_argv(request: LaunchRequest, node: Node, rdzv: Rendezvous) -> list[str
 AGENT_GRACE_SECONDS = 15
 
 
-def leftover_cleanup(rdzv: Rendezvous) -> str:
+def leftover_cleanup(rdzv: Rendezvous, env_file: EnvFile | None = None) -> str:
     """A shell line for a node whose connection was cut: the job's torchrun agents get
     ``AGENT_GRACE_SECONDS`` to stop their workers on the hang-up, then whatever is left of them,
-    agents and workers, is killed and named.
+    agents and workers, is killed and named. An environment file the agent never read is removed.
 
     An agent answers a hang-up only between Python calls. One waiting in torchrun's exit barrier
     for an agent that failed (and so never arrives) sits in a store wait for 300 s, holding the
     rendezvous port. The agents are found by the job's rendezvous id on their command line.
     """
-    pattern = shlex.quote("--rdzv-id " + _literal_pattern(rdzv.run_id))
+    pattern = _agent_pattern(rdzv)
     ticks = AGENT_GRACE_SECONDS * 2
     script = (
         f"i=0; while pgrep -f -- {pattern} >/dev/null && [ $i -lt {ticks} ]; do sleep 0.5; i=$((i+1)); done; "
@@ -62,7 +64,27 @@ def leftover_cleanup(rdzv: Rendezvous) -> str:
         'echo "killed torchrun agent $p on $(hostname): it did not stop on the hang-up"; '
         "done; true"
     )
+    removal = f"{env_file.remove()}; " if env_file else ""
+    return f"{removal}sh -c {shlex.quote(script)}"
+
+
+def signal_relay(rdzv: Rendezvous) -> str:
+    """A shell line that passes the signal named by the word after it (``USR1``) to the job's
+    torchrun agents on the host it runs on; each agent passes it to its workers.
+
+    Only agents in this host's network namespace: where nodes share a process table (containers,
+    the test cluster's namespaces), an agent of another node must not get the signal twice.
+    """
+    script = f'pkill --signal "$0" --ns $$ --nslist net -f -- {_agent_pattern(rdzv)} || true'
     return f"sh -c {shlex.quote(script)}"
+
+
+def _agent_pattern(rdzv: Rendezvous) -> str:
+    """The job's torchrun agents, by their whole command line: on the launching machine the ssh
+    clients (and pdsh) that started them carry the same words inside their remote command."""
+    return shlex.quote(
+        rf"^[^ ]+ -m torch[.]distributed[.]run .*--rdzv-id {_literal_pattern(rdzv.run_id)}( |$)"
+    )
 
 
 def _literal_pattern(text: str) -> str:
@@ -81,7 +103,21 @@ def node_env(node: Node, shipped: dict[str, str]) -> dict[str, str]:
 
 
 def remote_shell_command(argv: list[str], env: dict[str, str], workdir: str | None = None) -> str:
-    """One shell line: same working directory, explicit environment, then exec the agent."""
+    """One shell line: same working directory, explicit environment, then exec the agent.
+
+    The values are on the line: for variables that may be credentials use ``agent_shell_command``.
+    """
     workdir = workdir or os.getcwd()
     assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
     return f"cd {shlex.quote(workdir)} && exec env {assignments} {shlex.join(argv)}".replace("env  ", "env ")
+
+
+def agent_shell_command(argv: list[str], env_file: EnvFile | None, workdir: str | None = None) -> str:
+    """One shell line: the uploaded environment read (and its file removed), the same working
+    directory, then exec the agent; no value of a variable is on it."""
+    start = f"cd {shlex.quote(workdir or os.getcwd())} && exec {shlex.join(argv)}"
+    return f"{env_file.source()} && {start}" if env_file else start
+
+
+def env_upload(node: Node, env: dict[str, str], env_file: EnvFile, ssh: SSHOptions) -> Upload:
+    return Upload(host=node.host, argv=ssh.command(node.host, env_file.receive()), env=env)

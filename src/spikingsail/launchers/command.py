@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 import signal
-import subprocess
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import FrameType
+
+from spikingsail.launchers.remote_env import export_lines, masked
+
+# The signals torchrun's agent handles, plus SIGUSR1 (sbatch --signal=USR1@T, the engine's cue to
+# save and exit 75): every launch path passes them on to the job.
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+FORWARDED_SIGNALS = ",".join(s.name for s in FORWARDED)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Upload:
+    """Variables sent to one host over ssh's standard input before the job starts: values never
+    appear on a command line that ``ps`` shows, here or there."""
+
+    host: str
+    argv: list[str]
+    """Reads standard input on the host into a file only the user can read."""
+    env: dict[str, str]
+
+    @property
+    def text(self) -> str:
+        return export_lines(self.env)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -18,37 +36,40 @@ class LaunchCommand:
     """Where the command runs; ``localhost`` for this machine."""
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
-    """Variables set on top of the launching environment."""
+    """Variables set on top of the launching environment (values stay off the command line)."""
+    clean_env: bool = False
+    """Start from an empty environment: the command gets ``env`` only."""
+    uploads: list[Upload] = field(default_factory=list)
+    """Sent before ``argv`` starts; the job does not start unless every upload succeeded."""
     node_failure: str | None = None
     """A regular expression for an output line saying that one of the command's nodes failed
     while the command runs on for the others (pdsh reports each host's exit as it happens);
     named groups ``host`` and ``code`` or ``signal``. The job is stopped at such a line."""
     cleanup: list[str] | None = None
     """Run when the command had to be stopped: ends what it may have left running on its hosts."""
+    relay: list[str] | None = None
+    """Passes a signal on to what the command started on other hosts, with the signal's name
+    (``USR1``) appended as the last word. None: the command passes signals on itself (torchrun,
+    mpirun), so the signal is sent to it."""
+    stand_ins: dict[str, str] = field(default_factory=dict)
+    """Signals the command would ignore, by name, and the one sent to it in their place."""
 
     def render(self) -> str:
-        assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
-        command = shlex.join(self.argv)
-        return f"[{self.host}] {assignments + ' ' if assignments else ''}{command}"
+        """The command as ``--dry-run`` prints it; values of credential-like names are masked."""
+        lines = [
+            f"[{upload.host}] environment, sent over ssh's standard input: {_assignments(upload.env)}"
+            for upload in self.uploads
+        ]
+        prefix = "env -i " if self.clean_env else ""
+        assignments = _assignments(self.env)
+        lines.append(
+            f"[{self.host}] {prefix}{assignments + ' ' if assignments else ''}{shlex.join(self.argv)}"
+        )
+        return "\n".join(lines)
 
 
-def run_local(command: LaunchCommand, base_env: Mapping[str, str] | None = None) -> int:
-    """Run a command on this machine, passing SIGINT/SIGTERM/SIGUSR1 on to it; returns its exit status."""
-    env = {**(os.environ if base_env is None else base_env), **command.env}
-    child = subprocess.Popen(command.argv, env=env)
-
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        child.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        return child.wait()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+def _assignments(env: dict[str, str]) -> str:
+    return " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(masked(env).items()))
 
 
 def python_module(module: str, *args: str) -> list[str]:

@@ -11,23 +11,25 @@ ddp and fsdp backends also run under horovodrun, and the horovod backend meets t
 torch.distributed group.
 
 horovodrun forwards its whole environment to every rank, on the ssh command line of remote hosts.
-SpikingSail ships an explicit environment instead (``remote_env``: allowed prefixes, ``.sail_env``,
-``--env``), so horovodrun starts under ``env -i`` with those variables, the HOROVOD_* tuning variables
-of the shell, and what horovodrun and ssh need on this machine (PATH, HOME, USER, SSH_AUTH_SOCK).
-horovodrun stops every rank when one fails.
+SpikingSail ships an explicit environment instead (``remote_env``: the allow-list, ``.sail_env``,
+``--env``), so horovodrun starts with an empty environment plus those variables, the HOROVOD_*
+tuning variables of the shell, and what horovodrun and ssh need on this machine (PATH, HOME, USER,
+SSH_AUTH_SOCK: the path of this machine's agent socket, which horovodrun's ssh needs). The values
+are in horovodrun's environment, not on its command line; but horovodrun itself writes what it
+forwards on the ssh command line of every remote host, where ``ps`` shows it for the whole job, so a
+credential (``looks_secret``) for remote hosts is refused rather than shipped that way. horovodrun
+stops every rank when one fails.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import os
-import socket
 import sys
 
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.command import LaunchCommand
-from spikingsail.launchers.remote_env import remote_env
+from spikingsail.launchers.hostfile import is_this_machine
+from spikingsail.launchers.remote_env import launcher_env, looks_secret, remote_env
 from spikingsail.launchers.request import LaunchRequest, require_first_slots
 
 INSTALL_HINT = (
@@ -64,13 +66,11 @@ class HorovodrunLauncher:
                     "horovodrun runs plain ssh with only a port (-p) and an identity file (-i)",
                     "set User (and other options) for the hosts in ~/.ssh/config instead",
                 )
-        shell = os.environ
-        env = {k: shell[k] for k in _LAUNCHER_VARS if k in shell}
-        env |= {k: v for k, v in shell.items() if k.startswith("HOROVOD_") and k not in _PER_PROCESS}
+        env = {k: v for k, v in launcher_env(_LAUNCHER_VARS, ("HOROVOD_",)).items() if k not in _PER_PROCESS}
         env |= remote_env(request.env)
         env |= {"MASTER_ADDR": request.nodes[0].host, "MASTER_PORT": str(request.master_port)}
-        argv = ["env", "-i", *(f"{k}={v}" for k, v in sorted(env.items()))]
-        argv += [
+        _refuse_credentials(env, request)
+        argv = [
             sys.executable, "-m", "horovod.runner.launch", "--gloo",
             "-np", str(sum(n.nproc for n in request.nodes)),
             "-H", ",".join(f"{n.host}:{n.nproc}" for n in request.nodes),
@@ -78,7 +78,9 @@ class HorovodrunLauncher:
         if request.ssh.port:
             argv += ["-p", str(request.ssh.port)]
         argv += [*request.launcher_args, *_program(request)]
-        return [LaunchCommand(host=",".join(n.host for n in request.nodes), argv=argv)]
+        return [
+            LaunchCommand(host=",".join(n.host for n in request.nodes), argv=argv, env=env, clean_env=True)
+        ]
 
 
 def _program(request: LaunchRequest) -> list[str]:
@@ -91,17 +93,20 @@ def _program(request: LaunchRequest) -> list[str]:
     return [sys.executable, request.script, *request.script_args]
 
 
+def _refuse_credentials(env: dict[str, str], request: LaunchRequest) -> None:
+    assert request.nodes
+    secrets = sorted(k for k in env if looks_secret(k) and k != "SSH_AUTH_SOCK")
+    remote = remote_hosts([n.host for n in request.nodes]) if secrets else []
+    if remote:
+        raise LaunchError(
+            f"--launcher horovodrun would show {', '.join(secrets)} on the ssh command line of {remote[0]}",
+            "horovodrun forwards its environment to remote hosts as 'export NAME=VALUE' on ssh's command "
+            "line, which every user of both machines can read with ps for the whole job",
+            "use --launcher ssh, pdsh or mpirun (they send values over ssh's standard input or in "
+            "mpirun's environment), or set the variable on the nodes themselves",
+        )
+
+
 def remote_hosts(hosts: list[str]) -> list[str]:
     """The hosts horovodrun reaches over ssh: those whose address is not one of this machine's."""
-    return [host for host in hosts if not _is_local(host)]
-
-
-def _is_local(host: str) -> bool:
-    try:
-        address = socket.gethostbyname(host)
-    except OSError:
-        return False
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe, contextlib.suppress(OSError):
-        probe.bind((address, 0))  # only this machine's own addresses can be bound
-        return True
-    return False
+    return [host for host in hosts if not is_this_machine(host)]

@@ -10,14 +10,22 @@ Accepted forms, as the tools users come from write them:
 
 from __future__ import annotations
 
+import contextlib
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from spikingsail.errors import LaunchError
 
-_HOST = r"[A-Za-z0-9_.\-]+?"
-_LINE = re.compile(rf"^(?P<host>{_HOST})(?:\s+(?:slots\s*=\s*)?(?P<slots>\S+))?$")
+# A host name as ssh, pdsh and mpirun receive it: never starting with '-', which they would read as
+# an option (``-oProxyCommand=...`` runs a command), and nothing a shell or a host list would split.
+_HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+# What may follow the host on a hostfile line: ``slots=N`` (DeepSpeed, Open MPI) or seed 000's ``N``.
+_SLOTS = re.compile(r"(?:slots\s*=\s*)?(?P<slots>\S+)")
+_COUNT = re.compile(r"[0-9]{1,7}")
+MAX_SLOTS = 4096
+"""More processes than any node runs; a larger count is a typo, not a machine."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -35,7 +43,7 @@ def parse_hostfile(path: str | Path, default_slots: int | None = None) -> list[N
     """Read a hostfile; a bad line is an error naming the file and line."""
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as err:
         raise LaunchError(
             f"cannot read hostfile {path}",
@@ -44,19 +52,23 @@ def parse_hostfile(path: str | Path, default_slots: int | None = None) -> list[N
         ) from None
     nodes: list[Node] = []
     seen: dict[str, int] = {}
-    for number, raw in enumerate(text.splitlines(), start=1):
+    # split on newlines only, so that line numbers are the ones an editor shows
+    for number, raw_bytes in enumerate(data.split(b"\n"), start=1):
+        where = f"{path}:{number}"
+        raw = _decode(raw_bytes, where)
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        where = f"{path}:{number}"
-        match = _LINE.match(line)
-        if match is None:
+        host, *more = line.split(None, 1)
+        check_host(host, where)
+        rest = more[0] if more else ""
+        match = _SLOTS.fullmatch(rest) if rest else None
+        if rest and match is None:
             raise LaunchError(
                 f"{where}: cannot read {raw.strip()!r}",
                 "a hostfile line is 'HOST slots=N' (DeepSpeed, Open MPI) or 'HOST N'",
                 "fix or comment out that line",
             )
-        host = match["host"]
         if host in seen:
             raise LaunchError(
                 f"{where}: host {host} is listed again (first on line {seen[host]})",
@@ -64,11 +76,33 @@ def parse_hostfile(path: str | Path, default_slots: int | None = None) -> list[N
                 "merge the two lines",
             )
         seen[host] = number
-        slots = _slot_count(match["slots"], default_slots, where)
+        slots = _slot_count(match["slots"] if match else None, default_slots, where)
         nodes.append(Node(host=host, slots=tuple(range(slots))))
     if not nodes:
         raise LaunchError(f"hostfile {path} lists no hosts", fix="add one 'HOST slots=N' line per node")
     return nodes
+
+
+def _decode(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode().rstrip("\r")
+    except UnicodeDecodeError as err:
+        raise LaunchError(
+            f"{where}: the line is not UTF-8 text (byte {err.start + 1})",
+            "a hostfile is plain text: 'HOST slots=N' lines",
+            "retype that line, or check that -H names the hostfile and not another file",
+        ) from None
+
+
+def check_host(host: str, where: str) -> str:
+    """A host name from a hostfile or a host list, or an error naming where it came from."""
+    if _HOST.fullmatch(host):
+        return host
+    if host.startswith("-"):
+        why = "a name starting with '-' would reach ssh, pdsh and mpirun as an option, not as a host"
+    else:
+        why = "a host name has only letters, digits, '.', '-' and '_'"
+    raise LaunchError(f"{where}: {host!r} is not a host name", why, "write the node's host name or address")
 
 
 def _slot_count(value: str | None, default: int | None, where: str) -> int:
@@ -79,10 +113,13 @@ def _slot_count(value: str | None, default: int | None, where: str) -> int:
                 "a bare host name needs --nproc-per-node to say how many processes it runs",
                 "write 'HOST slots=N', or pass --nproc-per-node",
             )
-        return default
-    if not value.isdigit() or int(value) < 1:
+        value = str(default)
+        where = f"{where} (slots from --nproc-per-node)"
+    if not _COUNT.fullmatch(value) or not 1 <= int(value) <= MAX_SLOTS:
         raise LaunchError(
-            f"{where}: slot count {value!r} is not a positive integer", fix="write e.g. 'slots=4'"
+            f"{where}: slot count {value[:40]!r} is not an integer from 1 to {MAX_SLOTS}",
+            "a node runs one process per slot",
+            "write e.g. 'slots=4'",
         )
     return int(value)
 
@@ -90,17 +127,19 @@ def _slot_count(value: str | None, default: int | None, where: str) -> int:
 def parse_host_list(spec: str) -> list[Node]:
     """horovodrun's ``-H h1:2,h2:2`` (a host without a count has 1 slot)."""
     nodes: list[Node] = []
+    where = f"-H {spec!r}"
     for item in filter(None, (part.strip() for part in spec.split(","))):
         host, _, count = item.rpartition(":") if ":" in item else (item, "", "1")
-        if not host or not count.isdigit() or int(count) < 1:
+        if not host:
             raise LaunchError(
-                f"-H {spec!r}: cannot read {item!r}",
+                f"{where}: cannot read {item!r}",
                 "the host list is HOST:SLOTS[,HOST:SLOTS...], as for horovodrun",
                 "write e.g. -H node1:2,node2:2",
             )
-        nodes.append(Node(host=host, slots=tuple(range(int(count)))))
+        check_host(host, where)
+        nodes.append(Node(host=host, slots=tuple(range(_slot_count(count, None, f"{where}, {item!r}")))))
     if not nodes:
-        raise LaunchError(f"-H {spec!r} lists no hosts")
+        raise LaunchError(f"{where} lists no hosts")
     return nodes
 
 
@@ -109,7 +148,7 @@ def _parse_filter(spec: str, flag: str) -> dict[str, tuple[int, ...] | None]:
     out: dict[str, tuple[int, ...] | None] = {}
     for part in filter(None, spec.split("@")):
         host, _, slots = part.partition(":")
-        if not host or (slots and not all(s.strip().isdigit() for s in slots.split(","))):
+        if not host or (slots and not all(_COUNT.fullmatch(s.strip()) for s in slots.split(","))):
             raise LaunchError(
                 f"{flag} {spec!r}: cannot read {part!r}",
                 f"{flag} takes HOST[:SLOT,SLOT...] entries joined by '@', as DeepSpeed's launcher does",
@@ -206,3 +245,15 @@ def distribute(nodes: list[Node], total: int) -> list[Node]:
         out.append(Node(host=node.host, slots=node.slots[:take]))
         left -= take
     return out
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether ``host`` names this machine: only its own addresses can be bound."""
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return False
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe, contextlib.suppress(OSError):
+        probe.bind((address, 0))
+        return True
+    return False

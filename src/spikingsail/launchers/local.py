@@ -1,9 +1,31 @@
-"""Local multi-process launch: torchrun's elastic agent on this machine."""
+"""Local multi-process launch: torchrun's elastic agent on this machine.
+
+The agent and its workers write to this terminal as they would under torchrun, but their standard
+error passes through ``sail launch`` (a pseudo-terminal when stderr is a terminal, so that progress
+bars and colours stay on): its last lines tell which rank failed and with which of SpikingSail's
+errors. The signals torchrun handles and SIGUSR1 are passed on to the agent, which passes them to
+the workers.
+"""
 
 from __future__ import annotations
 
-from spikingsail.launchers.command import LaunchCommand, python_module
+import collections
+import contextlib
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import termios
+import threading
+from collections.abc import Mapping
+from types import FrameType
+
+from spikingsail.launchers.command import FORWARDED, LaunchCommand, python_module
+from spikingsail.launchers.failure import Failure
 from spikingsail.launchers.request import LaunchRequest
+
+TAIL_LINES = 400
 
 
 class LocalLauncher:
@@ -14,3 +36,83 @@ class LocalLauncher:
             "torch.distributed.run", *request.torchrun_args, request.script, *request.script_args
         )
         return [LaunchCommand(host="localhost", argv=argv)]
+
+
+def run_local(
+    command: LaunchCommand, base_env: Mapping[str, str] | None = None
+) -> tuple[int, Failure | None]:
+    """Run a command on this machine, passing signals on to it; returns its exit status and, when
+    it failed by itself (not on a signal), the failure read from its standard error."""
+    env = {**(os.environ if base_env is None else base_env), **command.env}
+    reader, writer = _stderr_channel()
+    try:
+        child = subprocess.Popen(command.argv, env=env, stderr=writer)
+    finally:
+        os.close(writer)
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    relay = threading.Thread(target=_relay, args=(reader, tail), daemon=True)
+    relay.start()
+    received: list[int] = []
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        received.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        code = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if child.poll() is None:
+            child.kill()
+            code = child.wait()
+        # workers that outlived the agent may hold stderr open: do not wait for them
+        relay.join(timeout=2)
+    if code == 0 or received:
+        return code, None
+    return code, Failure(host=command.host, exit_code=code, tail=list(tail))
+
+
+def _stderr_channel() -> tuple[int, int]:
+    """(read end, write end) for the command's standard error: a pseudo-terminal of this terminal's
+    size when stderr is a terminal, else a pipe."""
+    if not sys.stderr.isatty():
+        return os.pipe()
+    import pty  # only here: it imports the module tty, which a script of that name next to sail would shadow
+
+    reader, writer = pty.openpty()
+    with contextlib.suppress(OSError):
+        size = fcntl.ioctl(sys.stderr.fileno(), termios.TIOCGWINSZ, b"\0" * 8)
+        fcntl.ioctl(writer, termios.TIOCSWINSZ, size)
+    return reader, writer
+
+
+def _relay(reader: int, tail: collections.deque[str]) -> None:
+    """Copy the command's stderr to ours as it comes (progress bars rewrite a line without ending
+    it), keeping its last lines."""
+    partial = ""
+    try:
+        while chunk := _read(reader):
+            _write_all(sys.stderr.fileno(), chunk)
+            lines = (partial + chunk.decode(errors="replace")).replace("\r\n", "\n").split("\n")
+            partial = lines.pop()
+            tail.extend(line.rsplit("\r", 1)[-1] for line in lines)
+    finally:
+        os.close(reader)
+    if partial:
+        tail.append(partial)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    with contextlib.suppress(OSError):  # a closed terminal must not stop the relay: it drains the job
+        while data:
+            data = data[os.write(fd, data) :]
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # a pseudo-terminal whose every writer closed reads EIO, not end of file
+        return b""

@@ -3,7 +3,14 @@
 There is no torchrun agent here: ranks come from OMPI_COMM_WORLD_* and the engine's process group
 meets at MASTER_ADDR (the first host) and MASTER_PORT, exported to every rank with ``-x``; a plain
 torchrun script gets torchrun's variables too (``as_torchrun``). mpirun stops every rank when one
-fails.
+fails, and passes SIGUSR1 on to the ranks. It ignores SIGQUIT (and cannot be told to pass it on),
+so the job gets SIGTERM in its place.
+
+``-x NAME`` without a value exports mpirun's own value of NAME: the values are in mpirun's
+environment, not on its command line, where ``ps`` would show them for the whole job. mpirun starts
+with only what it needs of this shell besides them (``launcher_env``): the ranks on this node
+inherit its environment, and must get what the other nodes' ranks get, not this shell's secrets or
+GPU mask.
 """
 
 from __future__ import annotations
@@ -14,8 +21,12 @@ import shutil
 
 from spikingsail.launchers.as_torchrun import shimmed
 from spikingsail.launchers.command import LaunchCommand
-from spikingsail.launchers.remote_env import remote_env
+from spikingsail.launchers.remote_env import launcher_env, remote_env
 from spikingsail.launchers.request import LaunchRequest, require_first_slots
+
+# What mpirun itself needs here: its programs and libraries, ssh to the hosts and ssh's keys.
+_LAUNCHER_VARS = ("PATH", "LD_LIBRARY_PATH", "HOME", "USER", "LOGNAME", "TMPDIR", "SSH_AUTH_SOCK")
+_TUNING = ("OMPI_", "OPAL_", "PMIX_")  # Open MPI's settings (OMPI_MCA_*), its install prefix
 
 
 class MpirunLauncher:
@@ -28,7 +39,7 @@ class MpirunLauncher:
     def commands(self, request: LaunchRequest) -> list[LaunchCommand]:
         require_first_slots(request, "mpirun")
         assert request.nodes  # checked there
-        env = {
+        shipped = {
             **remote_env(request.env),
             "MASTER_ADDR": request.nodes[0].host,
             "MASTER_PORT": str(request.master_port),
@@ -42,7 +53,11 @@ class MpirunLauncher:
             "--mca", "plm_rsh_args", shlex.join(request.ssh.args()),
             "--wdir", os.getcwd(),
         ]  # fmt: skip
-        for key, value in sorted(env.items()):
-            argv += ["-x", f"{key}={value}"]
+        for key in sorted(shipped):
+            argv += ["-x", key]
         argv += [*request.launcher_args, *shimmed(request)]
-        return [LaunchCommand(host=",".join(n.host for n in request.nodes), argv=argv)]
+        env = launcher_env(_LAUNCHER_VARS, _TUNING) | shipped
+        hosts = ",".join(n.host for n in request.nodes)
+        return [
+            LaunchCommand(host=hosts, argv=argv, env=env, clean_env=True, stand_ins={"SIGQUIT": "SIGTERM"})
+        ]

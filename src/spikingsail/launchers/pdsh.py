@@ -1,7 +1,9 @@
 """torchrun agents started through pdsh (DeepSpeed's default multi-node transport).
 
 pdsh runs one command line on many hosts, so hosts are grouped by what differs per node (their
-slots); ``-S`` makes pdsh return the largest remote exit status instead of 0.
+slots); ``-S`` makes pdsh return the largest remote exit status instead of 0. pdsh passes no
+standard input to the hosts, so each node's environment goes ahead over ssh (as for the ssh
+launcher): no value is on a command line.
 
 pdsh returns only when every host is done, but reports each host's failure as it happens. A node
 whose rank failed after the others finished would otherwise keep the job waiting in the healthy
@@ -13,17 +15,20 @@ from __future__ import annotations
 
 import shlex
 import shutil
+import uuid
 from itertools import groupby
 
 from spikingsail.launchers.agents import (
     Rendezvous,
     agent_argv,
+    agent_shell_command,
+    env_upload,
     leftover_cleanup,
     node_env,
-    remote_shell_command,
+    signal_relay,
 )
 from spikingsail.launchers.command import LaunchCommand
-from spikingsail.launchers.remote_env import remote_env
+from spikingsail.launchers.remote_env import EnvFile, remote_env
 from spikingsail.launchers.request import LaunchRequest
 
 # pdsh's own reports of a host's remote command ("%p: %S: %s exited with exit code %d" and
@@ -45,19 +50,23 @@ class PdshLauncher:
         assert request.nodes, "parse_request gives multi-node launchers their nodes"
         rdzv = Rendezvous.for_request(request, request.nodes)
         shipped = remote_env(request.env)
-        ssh_args = ["-tt", *request.ssh.args()]
+        pdsh_env = {"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": shlex.join(["-tt", *request.ssh.args()])}
         commands = []
         for _slots, group in groupby(sorted(request.nodes, key=lambda n: n.slots), key=lambda n: n.slots):
             nodes = list(group)
             hosts = ",".join(n.host for n in nodes)
-            remote = remote_shell_command(agent_argv(request, nodes[0], rdzv), node_env(nodes[0], shipped))
+            env = node_env(nodes[0], shipped)  # the same for the group: it differs only by slots
+            env_file = EnvFile(token=uuid.uuid4().hex) if env else None
+            remote = agent_shell_command(agent_argv(request, nodes[0], rdzv), env_file)
             commands.append(
                 LaunchCommand(
                     host=hosts,
                     argv=["pdsh", "-S", "-f", "1024", "-w", hosts, remote],
-                    env={"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": shlex.join(ssh_args)},
+                    env=pdsh_env,
+                    uploads=[env_upload(n, env, env_file, request.ssh) for n in nodes] if env_file else [],
                     node_failure=NODE_FAILURE,
-                    cleanup=["pdsh", "-f", "1024", "-w", hosts, leftover_cleanup(rdzv)],
+                    cleanup=["pdsh", "-f", "1024", "-w", hosts, leftover_cleanup(rdzv, env_file)],
+                    relay=["pdsh", "-f", "1024", "-w", hosts, signal_relay(rdzv)],
                 )
             )
         return commands

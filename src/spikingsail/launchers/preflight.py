@@ -56,7 +56,7 @@ def diagnose(host: str, stderr: str, returncode: int, ssh_args: list[str] | None
 def _identity_files(host: str, ssh_args: list[str]) -> list[str] | None:
     """The identity files ``ssh`` would try for ``host`` (``ssh -G`` prints the resolved options)."""
     options = [a for a in ssh_args if a != "-tt"]
-    result = subprocess.run(["ssh", "-G", *options, host], capture_output=True, text=True, check=False)
+    result = subprocess.run(["ssh", "-G", *options, "--", host], capture_output=True, text=True, check=False)
     if result.returncode != 0:
         return None
     return [line.split(None, 1)[1] for line in result.stdout.splitlines() if line.startswith("identityfile ")]
@@ -77,10 +77,9 @@ def check_hosts(hosts: list[str], ssh: SSHOptions) -> None:
 
 
 def _probe(host: str, ssh: SSHOptions) -> str | None:
-    argv = ["ssh", *ssh.args(), host, "true"]
     try:
         result = subprocess.run(
-            argv,
+            ssh.command(host, "true"),
             capture_output=True,
             text=True,
             stdin=subprocess.DEVNULL,

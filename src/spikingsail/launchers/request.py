@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,15 @@ from torch.distributed.run import get_args_parser
 
 from spikingsail.environments.slurm import in_allocation
 from spikingsail.errors import LaunchError
-from spikingsail.launchers.hostfile import Node, distribute, parse_host_list, parse_hostfile, select_nodes
+from spikingsail.launchers.command import FORWARDED_SIGNALS
+from spikingsail.launchers.hostfile import (
+    MAX_SLOTS,
+    Node,
+    distribute,
+    parse_host_list,
+    parse_hostfile,
+    select_nodes,
+)
 from spikingsail.launchers.platform import platform_flags
 from spikingsail.launchers.remote_env import explicit_env
 
@@ -37,7 +46,6 @@ _PER_NODE_FLAGS = {
 }  # fmt: skip
 # Flags with which the user chooses the rendezvous; any of them turns platform mode off.
 _RENDEZVOUS_FLAGS = tuple(f for f in _PER_NODE_FLAGS if "nproc" not in f)
-FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 LAUNCHERS = ("local", "ssh", "pdsh", "mpirun", "slurm", "horovodrun")
 MODULE_FLAGS = ("-m", "--module")
 
@@ -59,6 +67,11 @@ class SSHOptions:
         if self.user:
             out += ["-l", self.user]
         return out
+
+    def command(self, host: str, remote: str, *, tty: bool = False) -> list[str]:
+        """``ssh [-tt] OPTIONS -- HOST REMOTE``: after ``--`` ssh reads no option, so no host name
+        can become one (``-oProxyCommand=...`` would run a command here)."""
+        return ["ssh", *(["-tt"] if tty else []), *self.args(), "--", host, remote]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -125,7 +138,13 @@ def parser() -> argparse.ArgumentParser:
     own.add_argument("--ssh-user", help="remote user name")
     own.add_argument("--ssh-config", help="ssh client config file (ssh -F)")
     own.add_argument("--connect-timeout", type=int, default=10, help="seconds to reach a host before failing")
-    own.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="set on every node")
+    own.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY[=VALUE]",
+        help="set on every node; KEY alone ships this shell's value (keeps a token off command lines)",
+    )
     own.add_argument(
         "--launcher-args",
         "--launcher_args",
@@ -216,25 +235,39 @@ def _check_script(ns: argparse.Namespace) -> None:
             f"it is resolved from the current directory, {Path.cwd()}",
             "check the path, or pass -m to run a module",
         )
-    if not str(ns.nproc_per_node).isdigit() and ns.nproc_per_node not in ("cpu", "gpu", "auto"):
+    count = _count(ns.nproc_per_node)
+    if count is None and ns.nproc_per_node not in ("cpu", "gpu", "auto"):
         raise LaunchError(
-            f"--nproc-per-node {ns.nproc_per_node!r} is not a number",
+            f"--nproc-per-node {str(ns.nproc_per_node)[:40]!r} is not a number",
             fix="give a process count, or one of auto, cpu, gpu",
         )
+    if count is not None and not 1 <= count <= MAX_SLOTS:
+        raise LaunchError(
+            f"--nproc-per-node {count} is not a process count from 1 to {MAX_SLOTS}",
+            fix="give the number of processes (GPUs) per node",
+        )
+
+
+def _count(value: object) -> int | None:
+    """A process count given as ASCII digits (``str.isdigit`` accepts '²', which ``int`` refuses)."""
+    text = str(value)
+    return int(text) if re.fullmatch(r"[0-9]{1,9}", text) else None
 
 
 def _nodes(ns: argparse.Namespace) -> list[Node] | None:
     if not ns.hostfile and ns.launcher == "horovodrun":
         # as horovodrun without -H: every process on this machine (-np, or --nproc-per-node)
-        count = ns.total_procs if ns.total_procs is not None else ns.nproc_per_node
-        if str(count).isdigit():
-            return [Node(host="localhost", slots=tuple(range(int(count))))]
+        count = ns.total_procs if ns.total_procs is not None else _count(ns.nproc_per_node)
+        if count is not None:
+            if not 1 <= count <= MAX_SLOTS:
+                raise LaunchError(f"-np {count} is not a process count from 1 to {MAX_SLOTS}")
+            return [Node(host="localhost", slots=tuple(range(count)))]
     if not ns.hostfile:
         for flag in ("include", "exclude", "num_nodes", "num_gpus", "total_procs"):
             if getattr(ns, flag) is not None:
                 raise LaunchError(f"--{flag.replace('_', '-')} needs hosts", fix="pass -H hostfile")
         return None
-    default = int(ns.nproc_per_node) if str(ns.nproc_per_node).isdigit() else None
+    default = _count(ns.nproc_per_node)
     if Path(ns.hostfile).is_file():
         nodes = parse_hostfile(ns.hostfile, default_slots=default)
     elif ":" in ns.hostfile or "," in ns.hostfile:
@@ -253,10 +286,8 @@ def _nodes(ns: argparse.Namespace) -> list[Node] | None:
 
 def _apply_nproc(nodes: list[Node], ns: argparse.Namespace, explicit: bool) -> list[Node]:
     """An explicit --nproc-per-node caps the slots every host uses."""
-    if not explicit or not str(ns.nproc_per_node).isdigit():
-        return nodes
-    n = int(ns.nproc_per_node)
-    return select_nodes(nodes, num_gpus=n)
+    n = _count(ns.nproc_per_node)
+    return select_nodes(nodes, num_gpus=n) if explicit and n is not None else nodes
 
 
 def _script_index(argv: list[str], script: str, script_args: list[str]) -> int:
@@ -274,7 +305,7 @@ def with_default_nproc(flags: list[str], nproc: int) -> list[str]:
 
 
 def _flag_name(arg: str) -> str:
-    if arg.startswith("-n") and arg[2:].isdigit():
+    if arg.startswith("-n") and _count(arg[2:]) is not None:
         return "-n"
     return arg.split("=", 1)[0]
 

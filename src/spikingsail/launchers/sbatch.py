@@ -2,7 +2,9 @@
 
 The script's srun line comes from the same builders ``sail launch`` uses inside an allocation, with
 the allocation's values left to the shell (``$SLURM_NNODES``, ``$SLURM_JOB_ID``, the first host
-from ``scontrol show hostnames``).
+from ``scontrol show hostnames``, the rendezvous port from ``slurm_port``). Those are the only words
+the shell expands (``ShellWord``); every other word, the user's arguments above all, is quoted with
+``shlex.quote`` and reaches the job exactly as typed.
 """
 
 from __future__ import annotations
@@ -12,16 +14,25 @@ import logging
 import os
 import shlex
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE
 from spikingsail.errors import LaunchError
-from spikingsail.launchers.request import FORWARDED_SIGNALS, LaunchRequest
+from spikingsail.launchers.command import FORWARDED_SIGNALS
+from spikingsail.launchers.request import LaunchRequest
 from spikingsail.launchers.slurm import DIST_INIT_METHODS, task_step, torchrun_step
 
 log = logging.getLogger(__name__)
+
+
+class ShellWord(str):
+    """A word of the script that the shell expands: a variable of the allocation, written by
+    ``sail submit`` itself, never a user's argument."""
+
+    __slots__ = ()
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -41,7 +52,8 @@ class SubmitRequest:
     error: str | None = None
     extra_sbatch: list[str] = field(default_factory=list)
     torchrun_args: list[str] = field(default_factory=list)
-    master_port: int = 29500
+    master_port: int | None = None
+    """None: derived from the job id in the script (``slurm_port``)."""
     workdir: str = field(default_factory=os.getcwd)
     requeue: bool = False
     signal_before: int = 120
@@ -76,23 +88,30 @@ class SubmitRequest:
             nproc_per_node=str(self.nproc_per_node),
             launcher="slurm",
         )
+        nnodes = ShellWord("$SLURM_NNODES")
         if self.dist_init_method == "slurm":
-            return task_step(request, "$SLURM_NNODES", str(self.nproc_per_node))
-        endpoint = f"$MASTER_ADDR:{self.master_port}"
-        return torchrun_step(request, "$SLURM_NNODES", str(self.nproc_per_node), endpoint, "$SLURM_JOB_ID")
+            return task_step(request, nnodes, str(self.nproc_per_node))
+        endpoint = ShellWord("$MASTER_ADDR:$MASTER_PORT")
+        return torchrun_step(request, nnodes, str(self.nproc_per_node), endpoint, ShellWord("$SLURM_JOB_ID"))
 
     def render(self) -> str:
-        step = " ".join(_shell_word(a) for a in self.srun_argv())
+        step = " ".join(f'"{a}"' if isinstance(a, ShellWord) else shlex.quote(a) for a in self.srun_argv())
+        port = (
+            str(self.master_port)
+            if self.master_port is not None
+            else f'$({shlex.quote(sys.executable)} -m spikingsail.launchers.slurm_port "$MASTER_ADDR")'
+        )
         return "\n".join(
             [
                 "#!/bin/bash",
-                f"# Written by `sail submit` for {self.script}; submit it again with: sbatch <this file>",
+                f"# Written by `sail submit` for {_comment(self.script)}; submit it again with: sbatch <this file>",
                 *self.directives(),
                 "",
                 "set -euo pipefail",
                 f"cd {shlex.quote(self.workdir)}",
                 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-                "export MASTER_ADDR",
+                f"MASTER_PORT={port}",
+                "export MASTER_ADDR MASTER_PORT",
                 *(_requeue_block(step) if self.requeue else [step]),
                 "",
             ]
@@ -121,9 +140,9 @@ def _requeue_block(step: str) -> list[str]:
     ]
 
 
-def _shell_word(arg: str) -> str:
-    """Quote a word, but let the shell expand the allocation's variables."""
-    return f'"{arg}"' if arg.startswith("$") else shlex.quote(arg)
+def _comment(text: str) -> str:
+    """``text`` on one line of a shell comment."""
+    return text.replace("\r", " ").replace("\n", " ")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -170,7 +189,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dist-init-method", choices=DIST_INIT_METHODS, default="torchrun")
     p.add_argument("--max-restarts", type=int, help="torchrun's --max-restarts")
-    p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument(
+        "--master-port", type=int, help="rendezvous port (default: derived from the job id, checked free)"
+    )
     p.add_argument("--script-path", help="where to write the sbatch script (default: JOB_NAME.sbatch)")
     p.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     p.add_argument("--wait", action="store_true", help="wait for the job and exit with its status")
@@ -185,6 +206,7 @@ def parse_submit(argv: list[str]) -> tuple[SubmitRequest, argparse.Namespace]:
         raise LaunchError(f"training script {ns.script} does not exist", fix="check the path")
     if ns.nodes < 1:
         raise LaunchError(f"--nodes {ns.nodes}", fix="ask for at least one node")
+    _check_directives(ns)
     request = SubmitRequest(
         script=ns.script,
         script_args=list(ns.script_args),
@@ -213,6 +235,21 @@ def parse_submit(argv: list[str]) -> tuple[SubmitRequest, argparse.Namespace]:
     if ns.requeue and "--resume" not in ns.script_args and "--resume-from" not in ns.script_args:
         log.warning("--requeue without --resume in the script's arguments: a requeued run starts over")
     return request, ns
+
+
+def _check_directives(ns: argparse.Namespace) -> None:
+    """A line break in an #SBATCH value would end the directive and start a line of the script."""
+    given = {"--job-name": [ns.job_name], "--partition": [ns.partition], "--time": [ns.time],
+             "--account": [ns.account], "--output": [ns.output], "--error": [ns.error],
+             "--sbatch-arg": ns.sbatch_arg}  # fmt: skip
+    for flag, values in given.items():
+        for value in values:
+            if value is not None and ("\n" in value or "\r" in value):
+                raise LaunchError(
+                    f"{flag} {value!r} contains a line break",
+                    "each value becomes one '#SBATCH' line; the rest would run as a command of the script",
+                    f"give {flag} a value on one line",
+                )
 
 
 def submit(path: Path) -> str:

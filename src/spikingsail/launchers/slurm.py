@@ -3,7 +3,8 @@
 Two modes, as in seed 002:
 
 - ``torchrun`` (default): srun starts one torchrun agent per node; the agents meet in a c10d
-  rendezvous on the first host of the allocation, with the job id as rendezvous id.
+  rendezvous on the first host of the allocation, at a port derived from the job id
+  (``slurm_port``), under a rendezvous id made of the job id and a random part of this launch's.
 - ``slurm`` (``--dist-init-method slurm``): srun starts one task per process (per GPU) and each
   task takes its rank from SLURM_PROCID / SLURM_LOCALID; no torchrun.
 
@@ -13,8 +14,11 @@ The same argv builders write the ``srun`` line of ``sail submit``'s sbatch scrip
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import sys
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -24,6 +28,7 @@ from spikingsail.errors import LaunchError
 from spikingsail.launchers.as_torchrun import shimmed
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.request import LaunchRequest
+from spikingsail.launchers.slurm_port import rendezvous_port
 
 DIST_INIT_METHODS = ("torchrun", "slurm")
 
@@ -51,7 +56,7 @@ class Allocation:
             job_id=env["SLURM_JOB_ID"],
             nodes=int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or len(hosts)),
             first_host=str(hosts[0]),
-            gpus_per_node=int(gpus) if gpus and gpus.isdigit() else None,
+            gpus_per_node=int(gpus) if gpus and re.fullmatch(r"[0-9]{1,6}", gpus) else None,
         )
 
 
@@ -74,6 +79,13 @@ def task_step(request: LaunchRequest, nnodes: str, nproc: str) -> list[str]:
     ]  # fmt: skip
 
 
+def _relay(allocation: Allocation) -> list[str]:
+    """Signals go to the job's tasks through slurmctld: srun itself would turn SIGTERM, SIGHUP and
+    SIGQUIT into SIGKILL for the tasks (no checkpoint), and SIGINT into a status report. scancel
+    without --batch leaves the batch shell, and salloc's, alone."""
+    return ["sh", "-c", f'exec scancel --signal="$0" {shlex.quote(allocation.job_id)}']
+
+
 class SlurmLauncher:
     name = "slurm"
 
@@ -92,8 +104,16 @@ class SlurmLauncher:
             argv = task_step(request, nnodes, nproc)
             env = {"MASTER_PORT": str(request.master_port)} if request.explicit_master_port else {}
         else:
-            endpoint = request.rdzv_endpoint or f"{allocation.first_host}:{request.master_port}"
-            argv = [*torchrun_step(request, nnodes, nproc, endpoint, request.rdzv_id or allocation.job_id)]
+            endpoint = request.rdzv_endpoint or f"{allocation.first_host}:{self._port(request, allocation)}"
+            run_id = request.rdzv_id or f"{allocation.job_id}-{uuid.uuid4().hex[:8]}"
+            argv = [*torchrun_step(request, nnodes, nproc, endpoint, run_id)]
             argv[1:1] = request.launcher_args
             env = {}
-        return [LaunchCommand(host=f"slurm job {allocation.job_id}", argv=argv, env=env)]
+        return [
+            LaunchCommand(host=f"slurm job {allocation.job_id}", argv=argv, env=env, relay=_relay(allocation))
+        ]
+
+    def _port(self, request: LaunchRequest, allocation: Allocation) -> int:
+        if request.explicit_master_port:
+            return request.master_port
+        return rendezvous_port(self.env, allocation.first_host)

@@ -2,7 +2,13 @@
 
 Each command's output is relayed line by line with its host as prefix, and the last lines are
 kept so that a failure can be reported with the host, the rank torchrun names, the exit status
-and what the failing node printed last. SIGINT / SIGTERM stop every command.
+and what the failing node printed last (``failure``).
+
+The signals torchrun handles and SIGUSR1 are passed on to the job, not acted on here: over a
+second connection to the agents of ssh and pdsh commands (``LaunchCommand.relay``), or to the
+command itself where it passes them on (srun, mpirun). The job then has ``DRAIN_SECONDS`` to end
+(workers save a checkpoint on SIGTERM and SIGUSR1) before what is left is stopped; a second
+signal stops it at once. Nothing the job started outlives the supervisor.
 """
 
 from __future__ import annotations
@@ -22,24 +28,17 @@ from pathlib import Path
 from types import FrameType
 
 from spikingsail.launchers.agents import AGENT_GRACE_SECONDS
-from spikingsail.launchers.command import LaunchCommand
+from spikingsail.launchers.command import FORWARDED, LaunchCommand, Upload
+from spikingsail.launchers.failure import Failure
 
-TAIL_LINES = 80
+TAIL_LINES = 400
 TIMED_OUT = 124
 _GRACE_SECONDS = 15.0
 # A cleanup waits out the agents' own grace period, plus time to connect.
 _CLEANUP_SECONDS = AGENT_GRACE_SECONDS + 45.0
-# torchrun's failure summary, possibly behind pdsh's "node2: " prefixes:
-#   time      : 2026-11-22_03:03:39
-#   host      : node2
-#   rank      : 1 (local_rank: 0)
-#   exitcode  : -9 (pid: 7)  (SIGKILL)
-_ROOT_CAUSE = re.compile(
-    r"time\s*:\s*(?P<time>\S+)\s*\n[^\n]*?host\s*:\s*(?P<host>\S+)\s*\n"
-    r"[^\n]*?rank\s*:\s*(?P<rank>\d+) \(local_rank: (?P<local>\d+)\)\s*\n"
-    r"[^\n]*?exitcode\s*:\s*(?P<code>-?\d+)[^\n]*?(?P<signal>\(SIG\w+\))?[ \t]*$",
-    re.M,
-)
+# torchrun's agent gives its workers 30 s to stop on a signal before it kills them.
+DRAIN_SECONDS = 45.0
+_UPLOAD_SECONDS = 60.0
 
 
 @dataclass(slots=True)
@@ -51,53 +50,10 @@ class Running:
     """(host, exit status) of a node the command reported failed while it runs on."""
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
-class Failure:
-    host: str
-    exit_code: int
-    tail: list[str]
-
-    def describe(self) -> str:
-        mpi = _MPI_SIGNAL.search("\n".join(self.tail)) or _MPI_EXIT.search("\n".join(self.tail))
-        if mpi is not None:
-            where = f"node {mpi['host']}, " if "host" in mpi.groupdict() else ""
-            detail = f"{where}rank {mpi['rank']} exited with {mpi['what']}"
-            shown = "\n".join(f"    {line}" for line in self.tail[-12:])
-            return f"mpirun failed (exit status {self.exit_code}): {detail}; its last output:\n{shown}"
-        horovod = _HOROVOD_EXIT.search("\n".join(self.tail))
-        if horovod is not None:
-            rank = horovod["rank"]
-            own = [line.split(":", 1)[1] for line in self.tail if line.startswith(f"[{rank}]<std")]
-            shown = "\n".join(f"    {line}" for line in (own or self.tail)[-12:])
-            return (f"horovodrun failed (exit status {self.exit_code}): rank {rank} exited with "
-                    f"{horovod['code']} first; its last output:\n{shown}")  # fmt: skip
-        # Under pdsh one stream carries every node's summary; the earliest failure is the cause,
-        # the others are ranks that lost their peers.
-        causes = sorted(_ROOT_CAUSE.finditer("\n".join(self.tail)), key=lambda m: m["time"])
-        cause = causes[0] if causes else None
-        host, detail = self.host, ""
-        if cause:
-            host = cause["host"]
-            detail = f", rank {cause['rank']} (local rank {cause['local']}) exited with {cause['code']}"
-            detail += f" {cause['signal']}" if cause["signal"] else ""
-        shown = "\n".join(f"    {line}" for line in self.tail[-12:])
-        return f"node {host} failed (agent exit status {self.exit_code}){detail}; its last output:\n{shown}"
-
-
-# mpirun's reports of the first failed rank.
-_MPI_SIGNAL = re.compile(
-    r"process rank (?P<rank>\d+) with PID \d+ on node (?P<host>\S+) exited on (?P<what>signal \d+[^\n]*)"
-)
-# horovodrun's (Gloo mode) report of the first failed rank; ranks' lines come as "[R]<stderr>:...".
-_HOROVOD_EXIT = re.compile(
-    r"The first process to do so was:\s*\nProcess name: (?P<rank>\d+)\s*\nExit code: (?P<code>-?\d+)"
-)
-_MPI_EXIT = re.compile(r"Process name:\s*\[\[\d+,\d+\],(?P<rank>\d+)\]\s*\n\s*Exit code:\s*(?P<what>-?\d+)")
-
-
 def print_line(line: str) -> None:
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) must not stop the relays
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 def supervise(
@@ -109,44 +65,90 @@ def supervise(
     """Run all commands; returns (exit status, the first failure or None).
 
     Every output line goes to ``output``, prefixed with its host. After ``timeout`` seconds every
-    command is stopped and the job fails with exit status 124, as timeout(1) does.
+    command is stopped and the job fails with exit status 124, as timeout(1) does. A job stopped by
+    a signal returns 128 + its number, as a shell reports it.
     """
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        received.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in FORWARDED}
+    try:
+        failed_upload = _upload(commands)
+        if failed_upload is not None or received:
+            _clean_up(commands, output)  # removes what did arrive; nothing was started
+            if failed_upload is not None:
+                return failed_upload.exit_code, failed_upload
+            return 128 + received[0], None
+        return _run(commands, received, output, timeout)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _run(
+    commands: list[LaunchCommand], received: list[int], output: Callable[[str], None], timeout: float | None
+) -> tuple[int, Failure | None]:
     running = [_start(c) for c in commands]
     relays = [threading.Thread(target=_relay, args=(r, output), daemon=True) for r in running]
     for relay in relays:
         relay.start()
-    stop: list[int] = []
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        stop.append(signum)
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        failure = _wait(running, stop, None if timeout is None else time.monotonic() + timeout)
+        failure = _wait(running, received, None if timeout is None else time.monotonic() + timeout)
     finally:
         stopped = _stop_all(running)
         for relay in relays:
             relay.join(timeout=5)
-        _clean_up(stopped, output)
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    if stop:
-        return 128 + stop[0], None
+        _clean_up([r.command for r in stopped], output)
+    if received:
+        return 128 + received[0], None
     if failure is not None:
         return failure.exit_code or 1, failure
     return 0, None
 
 
+def _upload(commands: list[LaunchCommand]) -> Failure | None:
+    """Send every command's uploads, all at once; the first that failed, if any."""
+    uploads = [u for c in commands for u in c.uploads]
+    started = [
+        (upload, subprocess.Popen(upload.argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, start_new_session=True))
+        for upload in uploads
+    ]  # fmt: skip
+    failure = None
+    for upload, process in started:
+        code, said = _send(upload, process)
+        if code != 0 and failure is None:
+            lines = [*said.splitlines()[-5:], f"(could not send the environment to {upload.host})"]
+            failure = Failure(host=upload.host, exit_code=code, tail=lines)
+    return failure
+
+
+def _send(upload: Upload, process: subprocess.Popen[bytes]) -> tuple[int, str]:
+    try:
+        _, said = process.communicate(upload.text.encode(), timeout=_UPLOAD_SECONDS)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, said = process.communicate()
+        return TIMED_OUT, f"no answer within {_UPLOAD_SECONDS:.0f} s"
+    return process.returncode, said.decode(errors="replace")
+
+
 def _start(command: LaunchCommand) -> Running:
     process = subprocess.Popen(
         command.argv,
-        env={**os.environ, **command.env},
+        env=_environment(command),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # signals reach the children only through this supervisor
     )
     return Running(command=command, process=process)
+
+
+def _environment(command: LaunchCommand) -> dict[str, str]:
+    return dict(command.env) if command.clean_env else {**os.environ, **command.env}
 
 
 def _relay(run: Running, output: Callable[[str], None]) -> None:
@@ -170,24 +172,71 @@ def _exit_status(reported: dict[str, str | None]) -> int:
     return 1
 
 
-def _wait(running: list[Running], stop: list[int], deadline: float | None) -> Failure | None:
-    while not stop:
+def _wait(running: list[Running], received: list[int], deadline: float | None) -> Failure | None:
+    """Until every command is done, one fails, the deadline passes, or a signal's drain ends."""
+    forwarded = 0
+    drain_until: float | None = None
+    while True:
+        if len(received) > forwarded:
+            if forwarded:  # a second signal: stop now
+                return None
+            _forward(running, received[0])
+            forwarded, drain_until = 1, time.monotonic() + DRAIN_SECONDS
         states = [(r, r.process.poll()) for r in running]
-        for run, code in states:
-            if code not in (None, 0):
-                time.sleep(0.3)  # let the relay catch the last lines
-                return Failure(host=run.command.host, exit_code=code, tail=list(run.tail))
-            if run.failed_node is not None:
-                host, node_code = run.failed_node
-                time.sleep(0.3)
-                return Failure(host=host, exit_code=node_code, tail=list(run.tail))
-        if all(code == 0 for _, code in states):
+        if all(code is not None for _, code in states) and (forwarded or all(c == 0 for _, c in states)):
             return None
+        if drain_until is not None:
+            if time.monotonic() > drain_until:
+                return None  # the job did not end on the signal: stopped below
+        elif (failure := _first_failure(states)) is not None:
+            return failure
         if deadline is not None and time.monotonic() > deadline:
             late = next(run for run, code in states if code is None)
             return Failure(host=late.command.host, exit_code=TIMED_OUT, tail=[*late.tail, "(timed out)"])
         time.sleep(0.1)
+
+
+def _first_failure(states: list[tuple[Running, int | None]]) -> Failure | None:
+    for run, code in states:
+        if code not in (None, 0):
+            time.sleep(0.3)  # let the relay catch the last lines
+            return Failure(host=run.command.host, exit_code=code, tail=list(run.tail))
+        if run.failed_node is not None:
+            host, node_code = run.failed_node
+            time.sleep(0.3)
+            return Failure(host=host, exit_code=node_code, tail=list(run.tail))
     return None
+
+
+def _forward(running: list[Running], signum: int) -> None:
+    """Pass a signal on to every command still running: through its relay, or to it directly."""
+    name = signal.Signals(signum).name.removeprefix("SIG")
+    for run in running:
+        if run.process.poll() is not None:
+            continue
+        if run.command.relay is None:
+            stand_in = run.command.stand_ins.get(f"SIG{name}", f"SIG{name}")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(run.process.pid, signal.Signals[stand_in])
+            continue
+        relay = subprocess.Popen(
+            [*run.command.relay, name],
+            env=_environment(run.command),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        # reaped by a thread: the main loop keeps watching the job meanwhile
+        threading.Thread(target=_reap, args=(relay,), daemon=True).start()
+
+
+def _reap(process: subprocess.Popen[bytes]) -> None:
+    try:
+        process.wait(timeout=_CLEANUP_SECONDS)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _stop_all(running: list[Running]) -> list[Running]:
@@ -205,15 +254,13 @@ def _stop_all(running: list[Running]) -> list[Running]:
     return alive
 
 
-def _clean_up(stopped: list[Running], output: Callable[[str], None]) -> None:
+def _clean_up(stopped: list[LaunchCommand], output: Callable[[str], None]) -> None:
     """Run the cleanup of every stopped command that has one, side by side; relay what they say."""
-    cleanups = [(r.command.host, r.command.cleanup, r.command.env) for r in stopped if r.command.cleanup]
-    if not cleanups:
-        return
     procs = [
-        (host, argv, subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        for host, argv, env in cleanups
+        (c.host, c.cleanup, subprocess.Popen(c.cleanup, env=_environment(c), stdin=subprocess.DEVNULL,
+                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        for c in stopped
+        if c.cleanup
     ]  # fmt: skip
     for host, argv, proc in procs:
         try:

@@ -1,6 +1,6 @@
 """A small engine job for the cluster tests: trains, then records what each rank ended with.
 
-ddp_job.py OUT_DIR [--steps N] [--die-rank R --die-step S] [--exit-rank R --exit-code C]
+ddp_job.py OUT_DIR [--steps N] [--step-sleep S] [--die-rank R --die-step S] [--exit-rank R --exit-code C]
 
 --exit-rank: that rank exits with status C 3 s after the job is done and the engine closed,
 when the other ranks' agents are waiting for it in torchrun's exit barrier.
@@ -28,6 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--die-rank", type=int, default=-1)
     parser.add_argument("--die-step", type=int, default=3)
     parser.add_argument("--exit-rank", type=int, default=-1)
@@ -50,6 +51,7 @@ def main() -> None:
         x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
         engine.backward(F.cross_entropy(engine(x), y))
         engine.step()
+        time.sleep(args.step_sleep)
     digest = hashlib.sha256(
         b"".join(p.detach().numpy().tobytes() for p in engine.module.parameters())
     ).hexdigest()

@@ -1,0 +1,121 @@
+"""Why a job failed, read from what its launcher and its ranks printed last.
+
+torchrun, pdsh, mpirun and horovodrun each name the failed rank in words of their own; a rank that
+stopped on one of SpikingSail's errors printed its message (what / why / fix), with or without a
+traceback, and torchrun's summary carries it when the rank wrote torchrun's error file. The
+failure reason names the rank and ends with that message, not with the launcher's report.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# torchrun's failure summary, possibly behind pdsh's "node2: " prefixes:
+#   time      : 2026-11-22_03:03:39
+#   host      : node2
+#   rank      : 1 (local_rank: 0)
+#   exitcode  : -9 (pid: 7)  (SIGKILL)
+ROOT_CAUSE = re.compile(
+    r"time\s*:\s*(?P<time>\S+)\s*\n[^\n]*?host\s*:\s*(?P<host>\S+)\s*\n"
+    r"[^\n]*?rank\s*:\s*(?P<rank>\d+) \(local_rank: (?P<local>\d+)\)\s*\n"
+    r"[^\n]*?exitcode\s*:\s*(?P<code>-?\d+)[^\n]*?(?P<signal>\(SIG\w+\))?[ \t]*$",
+    re.M,
+)
+# mpirun's reports of the first failed rank.
+_MPI_SIGNAL = re.compile(
+    r"process rank (?P<rank>\d+) with PID \d+ on node (?P<host>\S+) exited on (?P<what>signal \d+[^\n]*)"
+)
+_MPI_EXIT = re.compile(r"Process name:\s*\[\[\d+,\d+\],(?P<rank>\d+)\]\s*\n\s*Exit code:\s*(?P<what>-?\d+)")
+# horovodrun's (Gloo mode) report of the first failed rank; ranks' lines come as "[R]<stderr>:...".
+_HOROVOD_EXIT = re.compile(
+    r"The first process to do so was:\s*\nProcess name: (?P<rank>\d+)\s*\nExit code: (?P<code>-?\d+)"
+)
+# A SailError's message: its first line, then "  why: ..." and "  fix: ..." (SailError._render).
+_FIELD = re.compile(r"^(?P<prefix>.*?)  (?:why|fix): ")
+# The last line of a traceback that ends in one of SpikingSail's exceptions.
+_RAISED = re.compile(r"^(?P<prefix>.*?)spikingsail(?:\.\w+)*\.(?P<message>\w*Error: .*)$")
+# What may stand before the message on its first line: torchrun's summary field, a log header.
+_LEAD = re.compile(r"^\s*(?:traceback\s*:\s*|\[(?:rank\d+|sail)\](?: \d\d:\d\d:\d\d \w+ [\w.]+:)? )")
+_CONTINUATION = "       "  # SailError fields that span lines continue under their text
+
+
+def reported_error(lines: list[str]) -> str | None:
+    """The first SpikingSail error message in a rank's output (what / why / fix, as the rank
+    printed it, without prefixes or traceback), or None."""
+    for index, line in enumerate(lines):
+        raised = _RAISED.match(line)
+        field = _FIELD.match(lines[index + 1]) if index + 1 < len(lines) else None
+        if raised is not None:
+            prefix, first = raised["prefix"], raised["message"]
+        elif field is not None and line.startswith(field["prefix"]) and line[len(field["prefix"]) :].strip():
+            prefix, first = field["prefix"], _LEAD.sub("", line[len(field["prefix"]) :])
+        else:
+            continue
+        return "\n".join([first, *_fields(lines[index + 1 :], prefix)])
+    return None
+
+
+def _fields(lines: list[str], prefix: str) -> list[str]:
+    out: list[str] = []
+    for line in lines:
+        rest = line[len(prefix) :] if line.startswith(prefix) else ""
+        if rest.startswith(("  why: ", "  fix: ")) or (out and rest.startswith(_CONTINUATION)):
+            out.append(rest)
+        else:
+            break
+    return out
+
+
+def _root_causes(text: str) -> list[re.Match[str]]:
+    """Each agent's root cause: the failure under its summary's "Root Cause" heading (the ones
+    listed above it failed as well, often only because the root cause's rank was gone)."""
+    sections = text.split("Root Cause (first observed failure):")[1:]
+    causes = [found for section in sections if (found := ROOT_CAUSE.search(section))]
+    return causes or list(ROOT_CAUSE.finditer(text))
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Failure:
+    host: str
+    exit_code: int
+    tail: list[str]
+
+    @property
+    def reported(self) -> str | None:
+        """The failed rank's own SpikingSail error message, when it stopped on one."""
+        return reported_error(self._who("\n".join(self.tail))[1])
+
+    def describe(self) -> str:
+        """Which node and rank failed, as the launcher that saw it reports it, and then the rank's
+        own message when it stopped on one of SpikingSail's errors, else the last lines printed."""
+        who, lines = self._who("\n".join(self.tail))
+        reported = reported_error(lines)
+        if reported is not None:
+            return f"{who}; the rank's error:\n{reported}"
+        shown = "\n".join(f"    {line}" for line in lines[-12:])
+        return f"{who}; its last output:\n{shown}"
+
+    def _who(self, text: str) -> tuple[str, list[str]]:
+        """The failure in the launcher's words, and the lines that belong to the failed rank."""
+        mpi = _MPI_SIGNAL.search(text) or _MPI_EXIT.search(text)
+        if mpi is not None:
+            where = f"node {mpi['host']}, " if "host" in mpi.groupdict() else ""
+            detail = f"{where}rank {mpi['rank']} exited with {mpi['what']}"
+            return f"mpirun failed (exit status {self.exit_code}): {detail}", self.tail
+        horovod = _HOROVOD_EXIT.search(text)
+        if horovod is not None:
+            rank = horovod["rank"]
+            own = [line.split(":", 1)[1] for line in self.tail if line.startswith(f"[{rank}]<std")]
+            return (f"horovodrun failed (exit status {self.exit_code}): rank {rank} exited with "
+                    f"{horovod['code']} first", own or self.tail)  # fmt: skip
+        # Under pdsh one stream carries every node's summary; the earliest failure is the cause,
+        # the others are ranks that lost their peers.
+        causes = sorted(_root_causes(text), key=lambda m: m["time"])
+        host, detail = self.host, ""
+        if causes:
+            cause = causes[0]
+            host = cause["host"]
+            detail = f", rank {cause['rank']} (local rank {cause['local']}) exited with {cause['code']}"
+            detail += f" {cause['signal']}" if cause["signal"] else ""
+        return f"node {host} failed (agent exit status {self.exit_code}){detail}", self.tail

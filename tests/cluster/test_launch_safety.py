@@ -1,0 +1,166 @@
+"""What `sail launch -H` must never do on real nodes: show a secret on a command line, ship the
+launching shell's GPU mask, ignore a signal, or leave a process behind after one."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from spikingsail.launchers.command import FORWARDED
+from tests.cluster.harness import NamespaceCluster, processes_with
+from tests.cluster.test_ssh_pdsh import SAIL, assert_no_job_left, hostfile
+
+pytestmark = pytest.mark.cluster
+JOB = Path(__file__).with_name("jobs") / "signal_job.py"
+
+
+def wait_for(condition: Callable[[], bool], seconds: float, what: Callable[[], str]) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what()
+        time.sleep(0.05)
+
+
+def start(
+    cluster: NamespaceCluster, tmp_path: Path, flags: list[str], job_args: list[str], env: dict[str, str]
+) -> subprocess.Popen[str]:
+    argv = [*SAIL, "-H", str(hostfile(tmp_path)), "--ssh-config", str(cluster.ssh_config), *flags,
+            str(JOB), str(tmp_path / "out"), *job_args]  # fmt: skip
+    log = (tmp_path / "launch.log").open("w")
+    return subprocess.Popen(
+        cluster.node_argv("node1", argv), cwd=tmp_path, env=env, stdout=log, stderr=log, text=True
+    )
+
+
+def stop(tmp_path: Path) -> None:
+    """Ask the job to end by itself (signal_job.py watches for the file)."""
+    (tmp_path / "out").mkdir(exist_ok=True)
+    (tmp_path / "out" / "stop").touch()
+
+
+def started(tmp_path: Path) -> bool:
+    return all((tmp_path / "out" / f"started{rank}").exists() for rank in (0, 1))
+
+
+def command_lines(cluster: NamespaceCluster) -> list[str]:
+    """The command line of every process on both nodes."""
+    lines = []
+    for name in cluster.names:
+        for pid in cluster.pids(name):
+            try:
+                lines.append(
+                    Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                )
+            except OSError:
+                continue  # it ended meanwhile
+    return lines
+
+
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh", "mpirun"])
+def test_no_secret_on_any_command_line_and_only_the_allowed_environment_arrives(
+    cluster: NamespaceCluster, tmp_path: Path, launcher: str
+) -> None:
+    shell_secret, given_secret = f"hf_{secrets.token_hex(8)}", f"wandb_{secrets.token_hex(8)}"
+    env = {**cluster.slurm_env(), "HF_TOKEN": shell_secret, "WANDB_API_KEY": given_secret,
+           "CUDA_VISIBLE_DEVICES": "0", "NCCL_DEBUG": "WARN"}  # fmt: skip
+    names = ["HF_TOKEN", "WANDB_API_KEY", "CUDA_VISIBLE_DEVICES", "NCCL_DEBUG", "SAIL_NOTE"]
+    # asked for by name, so that the value is on no command line, not even sail's own
+    process = start(
+        cluster, tmp_path, ["--launcher", launcher, "--env", "WANDB_API_KEY", "--env", "SAIL_NOTE=two words"],
+        [arg for name in names for arg in ("--env", name)], env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        seen = 0
+        # from the launch until both ranks run, and a while after: every process on both nodes
+        while not started(tmp_path) or seen < 40:
+            assert process.poll() is None, (tmp_path / "launch.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the job did not start on both nodes"
+            for line in command_lines(cluster):
+                assert shell_secret not in line and given_secret not in line, line
+            seen += started(tmp_path)
+            time.sleep(0.02)
+    finally:
+        stop(tmp_path)
+    assert process.wait(timeout=60) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / "out" / f"env{rank}.json").read_text())
+        assert got == {"HF_TOKEN": None, "WANDB_API_KEY": given_secret, "CUDA_VISIBLE_DEVICES": None,
+                       "NCCL_DEBUG": "WARN", "SAIL_NOTE": "two words"}  # fmt: skip
+    log = (tmp_path / "launch.log").read_text()
+    assert shell_secret not in log and given_secret not in log
+    leftovers = [p for p in Path("/tmp").glob("sail-*/env") if given_secret in p.read_text(errors="replace")]
+    assert not leftovers  # the file the environment travelled in is gone
+    assert_no_job_left(cluster)
+
+
+def test_dry_run_shows_no_secret(cluster: NamespaceCluster, tmp_path: Path) -> None:
+    shell_secret, given_secret = f"hf_{secrets.token_hex(8)}", f"wandb_{secrets.token_hex(8)}"
+    argv = [*SAIL, "-H", str(hostfile(tmp_path)), "--dry-run", "--env", f"WANDB_API_KEY={given_secret}",
+            str(JOB), str(tmp_path / "out")]  # fmt: skip
+    result = cluster.run("node1", argv, cwd=tmp_path, env={**cluster.slurm_env(), "HF_TOKEN": shell_secret})
+    assert result.returncode == 0, result.stderr
+    assert "HF_TOKEN" not in result.stdout and shell_secret not in result.stdout + result.stderr
+    assert "WANDB_API_KEY='****'" in result.stdout and given_secret not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh", "mpirun"])
+@pytest.mark.parametrize("signum", FORWARDED, ids=lambda s: s.name)
+def test_every_forwarded_signal_reaches_both_nodes_and_leaves_nothing(
+    cluster: NamespaceCluster, tmp_path: Path, launcher: str, signum: signal.Signals
+) -> None:
+    out = str(tmp_path / "out")
+    process = start(cluster, tmp_path, ["--launcher", launcher], [], cluster.slurm_env())
+    try:
+        wait_for(lambda: started(tmp_path), 90, lambda: (tmp_path / "launch.log").read_text()[-3000:])
+        process.send_signal(signum)
+        # no process of the job, stopped ones included, on either node (they share this process table)
+        wait_for(
+            lambda: not processes_with(out), 10, lambda: f"left after {signum.name}: {processes_with(out)}"
+        )
+        assert process.wait(timeout=5) == 128 + signum
+        if signum == signal.SIGUSR1:
+            assert (tmp_path / "out" / "usr1-0").exists() and (tmp_path / "out" / "usr1-1").exists()
+    finally:
+        stop(tmp_path)
+        process.kill()
+    assert_no_job_left(cluster)
+
+
+@pytest.mark.parametrize("signum", FORWARDED, ids=lambda s: s.name)
+def test_every_forwarded_signal_reaches_the_tasks_of_an_allocation(
+    slurm: NamespaceCluster, tmp_path: Path, signum: signal.Signals
+) -> None:
+    out = str(tmp_path / "out")
+    argv = ["salloc", "-N", "2", "--ntasks-per-node", "1", *SAIL, str(JOB), out]
+    log = (tmp_path / "launch.log").open("w")
+    process = subprocess.Popen(slurm.node_argv("node1", argv), cwd=tmp_path, env=slurm.slurm_env(), stdout=log,
+                               stderr=log, text=True)  # fmt: skip
+    try:
+        wait_for(lambda: started(tmp_path), 90, lambda: (tmp_path / "launch.log").read_text()[-3000:])
+        # salloc's own command line names sail's too: sail is the one that starts with its Python
+        (sail,) = [
+            pid
+            for pid, line in processes_with(out).items()
+            if line.startswith(f"{sys.executable} -m spikingsail.cli.main launch")
+        ]
+        os.kill(sail, signum)
+        wait_for(
+            lambda: not processes_with(out), 10, lambda: f"left after {signum.name}: {processes_with(out)}"
+        )
+        assert process.wait(timeout=10) == 128 + signum
+        if signum == signal.SIGUSR1:
+            assert (tmp_path / "out" / "usr1-0").exists() and (tmp_path / "out" / "usr1-1").exists()
+    finally:
+        stop(tmp_path)
+        process.kill()
+    assert_no_job_left(slurm)

@@ -113,54 +113,87 @@ def test_dry_run_shows_no_secret(cluster: NamespaceCluster, tmp_path: Path) -> N
     assert "WANDB_API_KEY='****'" in result.stdout and given_secret not in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("launcher", ["ssh", "pdsh", "mpirun"])
-@pytest.mark.parametrize("signum", FORWARDED, ids=lambda s: s.name)
-def test_every_forwarded_signal_reaches_both_nodes_and_leaves_nothing(
+def sail_pid(out: str) -> int:
+    """The ``sail launch`` process of the job writing to ``out`` (salloc's command line names it too:
+    sail is the one that starts with its Python)."""
+    (pid,) = [p for p, line in processes_with(out).items() if line.startswith(" ".join(SAIL))]
+    return pid
+
+
+# SIGKILL cannot be caught: every client sail started dies with it (PR_SET_PDEATHSIG), and each
+# node's part of the job ends when its connection drops.
+SIGNALS = [*FORWARDED, signal.SIGKILL]
+
+
+def signal_the_launcher(process: subprocess.Popen[str], tmp_path: Path, signum: signal.Signals) -> None:
+    """Once both ranks run, send ``signum`` to sail; within 10 s no process of the job, stopped ones
+    included, is left on either node (they share this process table)."""
+    out = str(tmp_path / "out")
+    wait_for(lambda: started(tmp_path), 90, lambda: (tmp_path / "launch.log").read_text()[-3000:])
+    os.kill(sail_pid(out), signum)
+    wait_for(lambda: not processes_with(out), 10, lambda: f"left after {signum.name}: {processes_with(out)}")
+    code = process.wait(timeout=10)
+    if signum != signal.SIGKILL:  # a wrapper (salloc) reports a killed child in words of its own
+        assert code == 128 + signum
+    if signum == signal.SIGUSR1:
+        assert (tmp_path / "out" / "usr1-0").exists() and (tmp_path / "out" / "usr1-1").exists()
+
+
+# SIGKILL: pdsh and mpirun do not yet end their remote side when sail dies (pdsh leaves its ssh
+# clients on SIGTERM; mpirun writes to the dead sail's pipe), so only ssh is claimed for it.
+@pytest.mark.parametrize(
+    ("launcher", "signum"),
+    [*((launcher, s) for launcher in ("ssh", "pdsh", "mpirun") for s in FORWARDED), ("ssh", signal.SIGKILL)],
+    ids=lambda v: v.name if isinstance(v, signal.Signals) else v,
+)
+def test_every_signal_to_the_launcher_reaches_both_nodes_and_leaves_nothing(
     cluster: NamespaceCluster, tmp_path: Path, launcher: str, signum: signal.Signals
 ) -> None:
-    out = str(tmp_path / "out")
     process = start(cluster, tmp_path, ["--launcher", launcher], [], cluster.slurm_env())
     try:
-        wait_for(lambda: started(tmp_path), 90, lambda: (tmp_path / "launch.log").read_text()[-3000:])
-        process.send_signal(signum)
-        # no process of the job, stopped ones included, on either node (they share this process table)
-        wait_for(
-            lambda: not processes_with(out), 10, lambda: f"left after {signum.name}: {processes_with(out)}"
-        )
-        assert process.wait(timeout=5) == 128 + signum
-        if signum == signal.SIGUSR1:
-            assert (tmp_path / "out" / "usr1-0").exists() and (tmp_path / "out" / "usr1-1").exists()
+        signal_the_launcher(process, tmp_path, signum)
     finally:
         stop(tmp_path)
         process.kill()
     assert_no_job_left(cluster)
 
 
-@pytest.mark.parametrize("signum", FORWARDED, ids=lambda s: s.name)
-def test_every_forwarded_signal_reaches_the_tasks_of_an_allocation(
+@pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: s.name)
+def test_every_signal_to_the_launcher_reaches_the_tasks_of_an_allocation(
     slurm: NamespaceCluster, tmp_path: Path, signum: signal.Signals
 ) -> None:
-    out = str(tmp_path / "out")
-    argv = ["salloc", "-N", "2", "--ntasks-per-node", "1", *SAIL, str(JOB), out]
+    argv = ["salloc", "-N", "2", "--ntasks-per-node", "1", *SAIL, str(JOB), str(tmp_path / "out")]
     log = (tmp_path / "launch.log").open("w")
     process = subprocess.Popen(slurm.node_argv("node1", argv), cwd=tmp_path, env=slurm.slurm_env(), stdout=log,
                                stderr=log, text=True)  # fmt: skip
     try:
-        wait_for(lambda: started(tmp_path), 90, lambda: (tmp_path / "launch.log").read_text()[-3000:])
-        # salloc's own command line names sail's too: sail is the one that starts with its Python
-        (sail,) = [
-            pid
-            for pid, line in processes_with(out).items()
-            if line.startswith(f"{sys.executable} -m spikingsail.cli.main launch")
-        ]
-        os.kill(sail, signum)
-        wait_for(
-            lambda: not processes_with(out), 10, lambda: f"left after {signum.name}: {processes_with(out)}"
-        )
-        assert process.wait(timeout=10) == 128 + signum
-        if signum == signal.SIGUSR1:
-            assert (tmp_path / "out" / "usr1-0").exists() and (tmp_path / "out" / "usr1-1").exists()
+        signal_the_launcher(process, tmp_path, signum)
     finally:
         stop(tmp_path)
         process.kill()
     assert_no_job_left(slurm)
+
+
+def test_a_second_launch_onto_a_live_jobs_rendezvous_port_is_refused_naming_it(
+    cluster: NamespaceCluster, tmp_path: Path
+) -> None:
+    out = str(tmp_path / "out")
+    first = start(cluster, tmp_path, [], [], cluster.slurm_env())
+    try:
+        wait_for(lambda: started(tmp_path), 90, lambda: (tmp_path / "launch.log").read_text()[-3000:])
+        argv = [*SAIL, "-H", str(hostfile(tmp_path)), "--ssh-config", str(cluster.ssh_config), str(JOB),
+                str(tmp_path / "second")]  # fmt: skip
+        second = cluster.run("node1", argv, cwd=tmp_path, env=cluster.slurm_env())
+        assert second.returncode != 0
+        # node1's torchrun agent holds the store (node2's runs the same command line)
+        (agent,) = [pid for pid, line in processes_with(out).items()
+                    if line.startswith(f"{sys.executable} -m torch.distributed.run")
+                    and pid in cluster.pids("node1")]  # fmt: skip
+        assert f"the rendezvous port 29500 on node1 is taken by pid {agent} (" in second.stderr, second.stderr
+        assert "torch.distributed.run" in second.stderr and "--master-port" in second.stderr
+        assert not (tmp_path / "second").exists()  # nothing of the second job started
+        assert first.poll() is None  # the first job runs on
+    finally:
+        stop(tmp_path)
+    assert first.wait(timeout=60) == 0
+    assert_no_job_left(cluster)

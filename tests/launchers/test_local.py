@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -160,7 +161,7 @@ def wait_for(condition: Callable[[], bool], seconds: float, what: str) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("signum", FORWARDED, ids=lambda s: s.name)
+@pytest.mark.parametrize("signum", [*FORWARDED, signal.SIGKILL], ids=lambda s: s.name)
 def test_every_forwarded_signal_reaches_the_workers_and_leaves_nothing(
     tmp_path: Path, signum: signal.Signals
 ) -> None:
@@ -174,7 +175,7 @@ def test_every_forwarded_signal_reaches_the_workers_and_leaves_nothing(
         )
     try:
         wait_for(lambda: all((out / f"started{r}").exists() for r in (0, 1)), 90, "the workers did not start")
-        launcher.send_signal(signum)
+        launcher.send_signal(signum)  # SIGKILL: the agent dies with sail (PR_SET_PDEATHSIG)
         # every process of the job, the launcher's included, is gone within 10 s
         wait_for(
             lambda: not processes_with(str(out)), 10, f"left after {signum.name}: {processes_with(str(out))}"
@@ -254,3 +255,23 @@ def _read(fd: int) -> bytes:
         return os.read(fd, 65536)
     except OSError:  # EIO: every writer of the pseudo-terminal closed
         return b""
+
+
+@pytest.mark.multiprocess
+def test_a_closed_terminal_ends_the_whole_job(tmp_path: Path) -> None:
+    """sail launch on a terminal of its own (``script``, as a login shell or tmux gives it); the
+    terminal goes away (its master side closes) and the kernel hangs the session up."""
+    out = tmp_path / "out"
+    command = shlex.join([*SAIL, "launch", "-n", "2", str(SIGNAL_JOB), str(out)])
+    terminal = subprocess.Popen(["script", "-qfec", command, "/dev/null"], cwd=tmp_path,
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_for(lambda: all((out / f"started{r}").exists() for r in (0, 1)), 90, "the workers did not start")
+        terminal.kill()  # the terminal's master side closes with it
+        wait_for(
+            lambda: not processes_with(str(out)), 10, f"left after the hang-up: {processes_with(str(out))}"
+        )
+    finally:
+        (out / "stop").touch()
+        terminal.kill()
+        terminal.wait()

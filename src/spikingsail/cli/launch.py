@@ -11,7 +11,7 @@ from spikingsail.launchers.failure import Failure
 from spikingsail.launchers.horovodrun import remote_hosts
 from spikingsail.launchers.local import run_local
 from spikingsail.launchers.preflight import check_hosts
-from spikingsail.launchers.request import parse_request
+from spikingsail.launchers.request import LaunchRequest, parse_request
 from spikingsail.launchers.supervisor import supervise
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ def run(argv: list[str]) -> int:
             if request.launcher == "horovodrun":
                 reached = remote_hosts(reached)  # horovodrun starts this machine's ranks without ssh
             if reached:
-                check_hosts(reached, request.ssh)
+                check_hosts(reached, request.ssh, _rendezvous(request, reached))
             hosts = ", ".join(f"{n.host}×{n.nproc}" for n in request.nodes)
             log.info("launching on %d node(s) with %s: %s", len(request.nodes), request.launcher, hosts)
         else:
@@ -43,6 +43,19 @@ def run(argv: list[str]) -> int:
     if failure is not None:
         _report(failure)
     return status
+
+
+def _rendezvous(request: LaunchRequest, reached: list[str]) -> tuple[str, int] | None:
+    """The (host, port) the job's store will listen on, when it is one of the hosts reached over
+    ssh: the torchrun agents' c10d store (ssh, pdsh) or rank 0's (mpirun, horovodrun)."""
+    assert request.nodes
+    host, port = request.nodes[0].host, request.master_port
+    if request.rdzv_endpoint:
+        host, _, given = request.rdzv_endpoint.rpartition(":")
+        if not given.isdigit():
+            return None  # torchrun's own default port: it reports a taken one itself
+        port = int(given)
+    return (host, port) if host in reached else None
 
 
 def _report(failure: Failure) -> None:

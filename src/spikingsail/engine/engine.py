@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 
 from spikingsail.backends.base import Backend
 from spikingsail.checkpoint import dcp_io, engine_state
+from spikingsail.checkpoint.lock import JobLock
 from spikingsail.checkpoint.store import CheckpointError
 from spikingsail.config.schema import SailConfig
 from spikingsail.data.loader import ShardedLoader
@@ -110,6 +111,7 @@ class Engine:
             progress_bar=config.sail.progress_bar,
             metrics_path=config.sail.metrics_path,
         )
+        self._job_lock = self._lock_checkpoint_directory(config.checkpoint.path)
         self._closed = False
         atexit.register(self.close)
         log.info("engine ready: rank %d of %d on %s", rank_info.rank, rank_info.world_size, self.device)
@@ -390,6 +392,34 @@ class Engine:
         log.info("resumed from %s at step %d", path, self.global_steps)
         return str(path), client_state
 
+    def _lock_checkpoint_directory(self, directory: str | None) -> JobLock | None:
+        """Rank 0 takes the job lock of the checkpoint directory (``checkpoint/lock.py``); every rank
+        learns whether it did, so that a refusal ends every rank, not only rank 0."""
+        if directory is None:
+            return None
+        try:
+            return self._agree_on_lock(JobLock(directory) if self.rank_info.is_rank_zero else None)
+        except BaseException:
+            self._destroy_checkpoint_group()
+            self.backend.teardown()  # a refused start leaves no process group up
+            raise
+
+    def _agree_on_lock(self, lock: JobLock | None) -> JobLock | None:
+        refusal: tuple[str, str, str] | None = None
+        if lock is not None:
+            try:
+                lock.acquire()
+            except CheckpointError as err:
+                refusal = (err.what, err.why, err.fix)
+        group = self._checkpoint_group()
+        if group is not None:
+            box = [refusal]
+            dist.broadcast_object_list(box, src=0, group=group)
+            refusal = box[0]
+        if refusal is not None:
+            raise CheckpointError(*refusal)
+        return lock
+
     def _checkpoint_group(self) -> dist.ProcessGroup | None:
         """A gloo group of its own for checkpoint coordination, also from a background thread."""
         if not dist.is_initialized():
@@ -437,12 +467,17 @@ class Engine:
             log.error("%s", err)
         finally:
             self.monitor.close()
-            if self._ckpt_group is not None:
-                # now, not at interpreter exit, and also when the default group is the user's
-                if dist.is_initialized():
-                    dist.destroy_process_group(self._ckpt_group)
-                self._ckpt_group = None
+            if self._job_lock is not None:
+                self._job_lock.release()
+            self._destroy_checkpoint_group()
             self.backend.teardown()
+
+    def _destroy_checkpoint_group(self) -> None:
+        if self._ckpt_group is not None:
+            # now, not at interpreter exit, and also when the default group is the user's
+            if dist.is_initialized():
+                dist.destroy_process_group(self._ckpt_group)
+            self._ckpt_group = None
 
     def __enter__(self) -> Engine:
         return self

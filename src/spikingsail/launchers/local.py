@@ -23,6 +23,7 @@ from types import FrameType
 
 from spikingsail.launchers.command import FORWARDED, LaunchCommand, python_module
 from spikingsail.launchers.failure import Failure
+from spikingsail.launchers.lifeline import die_with_this_process
 from spikingsail.launchers.request import LaunchRequest
 
 TAIL_LINES = 400
@@ -46,7 +47,13 @@ def run_local(
     env = {**(os.environ if base_env is None else base_env), **command.env}
     reader, writer = _stderr_channel()
     try:
-        child = subprocess.Popen(command.argv, env=env, stderr=writer)
+        # the agent ends (and stops its workers) when sail launch dies, even of SIGKILL
+        child = subprocess.Popen(
+            command.argv,
+            env=env,
+            stderr=writer,
+            preexec_fn=die_with_this_process(),  # noqa: PLW1509
+        )
     finally:
         os.close(writer)
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from spikingsail.errors import LaunchError
@@ -62,24 +63,58 @@ def _identity_files(host: str, ssh_args: list[str]) -> list[str] | None:
     return [line.split(None, 1)[1] for line in result.stdout.splitlines() if line.startswith("identityfile ")]
 
 
-def check_hosts(hosts: list[str], ssh: SSHOptions) -> None:
-    """ssh to every host at once (BatchMode, ConnectTimeout); raise one error naming each failure."""
+def check_hosts(hosts: list[str], ssh: SSHOptions, rendezvous: tuple[str, int] | None = None) -> None:
+    """ssh to every host at once (BatchMode, ConnectTimeout); raise one error naming each failure.
+
+    ``rendezvous`` (host, port): the job's store, checked free on that host in the same connection.
+    A port that another job's torchrun agent listens on would let this job's agents join that
+    job's store; they would die when it ends.
+    """
+    port_of = {rendezvous[0]: rendezvous[1]} if rendezvous else {}
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        results = list(pool.map(lambda h: _probe(h, ssh), hosts))
-    failures = [(h, r) for h, r in zip(hosts, results, strict=True) if r is not None]
+        results = list(pool.map(lambda h: _probe(h, ssh, port_of.get(h)), hosts))
+    failures = [(h, r) for h, r in zip(hosts, results, strict=True) if r.failure is not None]
     if failures:
-        lines = [f"{host}: {reason}" for host, reason in failures]
+        lines = [f"{host}: {result.failure}" for host, result in failures]
         raise LaunchError(
             f"cannot reach {len(failures)} of {len(hosts)} host(s) over ssh; nothing was started",
             "\n       ".join(lines),
             "fix the hosts named above (`sail doctor -H hostfile` checks every node)",
         )
+    for host, result in zip(hosts, results, strict=True):
+        if result.listener:
+            _refuse_taken_port(host, port_of[host], result.listener, ssh)
 
 
-def _probe(host: str, ssh: SSHOptions) -> str | None:
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _Probe:
+    failure: str | None = None
+    listener: str = ""
+    """``ss``'s line for a socket listening on the rendezvous port, if any."""
+
+
+def _refuse_taken_port(host: str, port: int, listener: str, ssh: SSHOptions) -> None:
+    found = re.search(r"pid=(\d+)", listener)
+    owner = "a process of another user" if found is None else f"pid {found[1]}"
+    if found is not None:
+        shown = subprocess.run(ssh.command(host, f"ps -o args= -p {found[1]}"), capture_output=True,
+                               text=True, stdin=subprocess.DEVNULL, timeout=ssh.connect_timeout + 10,
+                               check=False)  # fmt: skip
+        if shown.stdout.strip():
+            owner += f" ({shown.stdout.strip()[:200]})"
+    raise LaunchError(
+        f"the rendezvous port {port} on {host} is taken by {owner}; nothing was started",
+        "another job's torchrun agent (or another program) listens there: this job's agents would join "
+        "its store, and die when it ends",
+        "let that job end or stop it, or pass --master-port with a free port",
+    )
+
+
+def _probe(host: str, ssh: SSHOptions, port: int | None = None) -> _Probe:
+    remote = "true" if port is None else f"ss -Hltnp 'sport = :{port}' 2>/dev/null | head -n 1; true"
     try:
         result = subprocess.run(
-            ssh.command(host, "true"),
+            ssh.command(host, remote),
             capture_output=True,
             text=True,
             stdin=subprocess.DEVNULL,
@@ -87,8 +122,8 @@ def _probe(host: str, ssh: SSHOptions) -> str | None:
             check=False,
         )
     except subprocess.TimeoutExpired:
-        return f"no answer within {ssh.connect_timeout + 10} s"
+        return _Probe(failure=f"no answer within {ssh.connect_timeout + 10} s")
     if result.returncode == 0:
-        return None
+        return _Probe(listener=result.stdout.strip())
     why, fix = diagnose(host, result.stderr, result.returncode, ssh.args())
-    return f"{why}; fix: {fix}"
+    return _Probe(failure=f"{why}; fix: {fix}")

@@ -30,6 +30,7 @@ from types import FrameType
 from spikingsail.launchers.agents import AGENT_GRACE_SECONDS
 from spikingsail.launchers.command import FORWARDED, LaunchCommand, Upload
 from spikingsail.launchers.failure import Failure
+from spikingsail.launchers.lifeline import die_with_this_process
 
 TAIL_LINES = 400
 TIMED_OUT = 124
@@ -143,6 +144,8 @@ def _start(command: LaunchCommand) -> Running:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # signals reach the children only through this supervisor
+        # ... and its death, even of SIGKILL: the ssh, pdsh, mpirun or srun client gets SIGTERM
+        preexec_fn=die_with_this_process(),  # noqa: PLW1509 (called before any relay thread starts)
     )
     return Running(command=command, process=process)
 

@@ -285,3 +285,15 @@ def test_ssh_reads_a_host_name_as_a_host_even_if_it_starts_with_a_dash(job: Path
     with pytest.raises(LaunchError, match="cannot reach 1 of 1 host"):
         check_hosts([f"-oProxyCommand=touch {payload}"], SSHOptions(connect_timeout=2))
     assert not payload.exists()
+
+
+def test_only_ss_lines_of_a_listener_on_the_port_count_as_taken() -> None:
+    from spikingsail.launchers.preflight import _is_listener
+
+    assert _is_listener(
+        'LISTEN 0      4096         0.0.0.0:29500      0.0.0.0:* users:(("python",pid=7,fd=3))', 29500
+    )
+    assert _is_listener("LISTEN 0      4096            [::]:29500         [::]:*", 29500)
+    assert not _is_listener("LISTEN 0      4096         0.0.0.0:129500      0.0.0.0:*", 29500)
+    assert not _is_listener("Welcome to node1: 29500 jobs served", 29500)  # a login banner
+    assert not _is_listener("", 29500)

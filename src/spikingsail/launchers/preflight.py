@@ -82,7 +82,7 @@ def check_hosts(hosts: list[str], ssh: SSHOptions, rendezvous: tuple[str, int] |
             "fix the hosts named above (`sail doctor -H hostfile` checks every node)",
         )
     for host, result in zip(hosts, results, strict=True):
-        if result.listener:
+        if host in port_of and result.listener:
             _refuse_taken_port(host, port_of[host], result.listener, ssh)
 
 
@@ -91,6 +91,12 @@ class _Probe:
     failure: str | None = None
     listener: str = ""
     """``ss``'s line for a socket listening on the rendezvous port, if any."""
+
+
+def _is_listener(line: str, port: int) -> bool:
+    """Whether ``line`` is ss's report of a socket listening on ``port`` (``LISTEN 0 4096 0.0.0.0:29500 ...``)."""
+    words = line.split()
+    return len(words) >= 4 and words[0] == "LISTEN" and words[3].endswith(f":{port}")
 
 
 def _refuse_taken_port(host: str, port: int, listener: str, ssh: SSHOptions) -> None:
@@ -124,6 +130,10 @@ def _probe(host: str, ssh: SSHOptions, port: int | None = None) -> _Probe:
     except subprocess.TimeoutExpired:
         return _Probe(failure=f"no answer within {ssh.connect_timeout + 10} s")
     if result.returncode == 0:
-        return _Probe(listener=result.stdout.strip())
+        # ss's line only: a login script of the host may print a banner first
+        listening = [
+            line for line in result.stdout.splitlines() if port is not None and _is_listener(line, port)
+        ]
+        return _Probe(listener=listening[0] if listening else "")
     why, fix = diagnose(host, result.stderr, result.returncode, ssh.args())
     return _Probe(failure=f"{why}; fix: {fix}")

@@ -1,24 +1,33 @@
-"""Children of ``sail launch`` that end when it dies, even of SIGKILL.
+"""Nothing of a job outlives ``sail launch``, even when it dies of SIGKILL.
 
 A signal ``sail launch`` can catch is passed on to the job (``supervisor``, ``local``). SIGKILL
-cannot be caught, so each child the launcher starts for the job (the local torchrun agent; the ssh,
-pdsh, mpirun and srun clients) asks Linux for a signal when its parent dies
-(``prctl(PR_SET_PDEATHSIG)``), set in the child between fork and exec. The signal is SIGTERM:
-torchrun's agent stops its workers on it, an ssh client closes its connection (the remote agent,
-on a terminal of its own through ``ssh -tt``, gets a hang-up and stops its workers), mpirun and srun
-end their ranks. A parent that died before the child could ask is noticed by the child's next look at
-its parent's pid, and the child sends itself the signal.
+cannot be caught, so:
+
+- the local torchrun agent asks Linux for SIGTERM when its parent dies
+  (``prctl(PR_SET_PDEATHSIG)``, set in the child between fork and exec; a parent that died before
+  the child could ask is noticed by the child's next look at its parent's pid). The agent then
+  stops its workers.
+- the multi-node launchers' commands (ssh, pdsh, mpirun, srun clients) are watched by a
+  ``Watchdog`` process, which ends their whole process trees when sail is gone. An ssh client that
+  ends closes its connection, and the remote agent, on a terminal of its own (``ssh -tt``), gets a
+  hang-up and stops its workers; mpirun and srun end their ranks.
 
 Linux only; elsewhere the children are started as before.
+
+    python -m spikingsail.launchers.lifeline      (the watchdog: pids on stdin, then "done")
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
+import subprocess
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -42,3 +51,106 @@ def die_with_this_process(signum: int = signal.SIGTERM) -> Callable[[], None] | 
             os.kill(os.getpid(), signum)
 
     return arm
+
+
+class Watchdog:
+    """A process of its own that ends the commands ``sail launch`` started when sail dies without
+    saying it is done (SIGKILL): the process tree of each, SIGTERM and then, after
+    ``WATCHDOG_GRACE_SECONDS``, SIGKILL.
+
+    ``prctl(PR_SET_PDEATHSIG)`` alone is not enough for the multi-node launchers: pdsh ends on
+    SIGTERM and leaves its ssh clients (each in a process group of its own) connected, and mpirun
+    writes to the dead launcher's pipe. The watchdog reads the commands' pids on a pipe from sail;
+    the end of that pipe without ``done`` means sail is gone. It takes each tree as it is then (the
+    ssh clients still under pdsh), and a process whose start time changed is not the one sail
+    started.
+    """
+
+    def __init__(self) -> None:
+        reader, self._writer = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "spikingsail.launchers.lifeline"],
+                stdin=reader,
+                start_new_session=True,  # a terminal's hang-up or Ctrl-C does not reach it
+            )
+        finally:
+            os.close(reader)
+
+    def watch(self, pid: int) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._writer, f"{pid}\n".encode())
+
+    def done(self) -> None:
+        """The commands ended (or were stopped) under sail's own eyes: nothing for the watchdog to do."""
+        with contextlib.suppress(OSError):
+            os.write(self._writer, b"done\n")
+            os.close(self._writer)
+        self.process.wait()
+
+
+WATCHDOG_GRACE_SECONDS = 10.0
+
+
+def start_time(pid: int) -> str | None:
+    """The process's start time (``/proc/PID/stat`` field 22), which tells it from a later one with the same pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below ``root``, by parent pid (``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # /proc/PID/stat: "pid (comm) state ppid ..."; comm may contain spaces and parentheses.
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: list[int] = []
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _watch() -> None:
+    started: dict[int, str | None] = {}
+    for line in sys.stdin:
+        word = line.strip()
+        if word == "done":
+            return
+        if word.isdigit():
+            started[int(word)] = start_time(int(word))
+    # sail is gone: end what it started, whole trees, taken before anything is signalled
+    targets = {}
+    for root, when in started.items():
+        if when is not None and start_time(root) == when:
+            for pid in [root, *descendants(root)]:
+                targets[pid] = start_time(pid)
+    _signal(targets, signal.SIGTERM)
+    deadline = time.monotonic() + WATCHDOG_GRACE_SECONDS
+    while time.monotonic() < deadline and _alive(targets):
+        time.sleep(0.1)
+    _signal(targets, signal.SIGKILL)
+
+
+def _alive(targets: dict[int, str | None]) -> dict[int, str | None]:
+    return {pid: when for pid, when in targets.items() if when is not None and start_time(pid) == when}
+
+
+def _signal(targets: dict[int, str | None], signum: int) -> None:
+    for pid in _alive(targets):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+
+
+if __name__ == "__main__":
+    _watch()

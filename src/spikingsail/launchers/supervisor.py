@@ -24,13 +24,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import FrameType
 
 from spikingsail.launchers.agents import AGENT_GRACE_SECONDS
 from spikingsail.launchers.command import FORWARDED, LaunchCommand, Upload
 from spikingsail.launchers.failure import Failure
-from spikingsail.launchers.lifeline import die_with_this_process
+from spikingsail.launchers.lifeline import Watchdog, descendants
 
 TAIL_LINES = 400
 TIMED_OUT = 124
@@ -91,7 +90,11 @@ def supervise(
 def _run(
     commands: list[LaunchCommand], received: list[int], output: Callable[[str], None], timeout: float | None
 ) -> tuple[int, Failure | None]:
-    running = [_start(c) for c in commands]
+    watchdog = Watchdog()  # ends the commands' trees should this process die of SIGKILL
+    running = []
+    for command in commands:
+        running.append(_start(command))
+        watchdog.watch(running[-1].process.pid)
     relays = [threading.Thread(target=_relay, args=(r, output), daemon=True) for r in running]
     for relay in relays:
         relay.start()
@@ -102,6 +105,7 @@ def _run(
         for relay in relays:
             relay.join(timeout=5)
         _clean_up([r.command for r in stopped], output)
+        watchdog.done()
     if received:
         return 128 + received[0], None
     if failure is not None:
@@ -144,8 +148,6 @@ def _start(command: LaunchCommand) -> Running:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # signals reach the children only through this supervisor
-        # ... and its death, even of SIGKILL: the ssh, pdsh, mpirun or srun client gets SIGTERM
-        preexec_fn=die_with_this_process(),  # noqa: PLW1509 (called before any relay thread starts)
     )
     return Running(command=command, process=process)
 
@@ -285,26 +287,6 @@ def _signal_tree(root: int, signum: int) -> None:
     the supervisor created is not enough: every ssh client must end for its remote agent to get
     the hang-up that stops it.
     """
-    for pid in [root, *_descendants(root)]:
+    for pid in [root, *descendants(root)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            # /proc/PID/stat: "pid (comm) state ppid ..."; comm may contain spaces and parentheses.
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    found: list[int] = []
-    stack = [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found

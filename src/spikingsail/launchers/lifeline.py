@@ -14,7 +14,7 @@ cannot be caught, so:
 
 Linux only; elsewhere the children are started as before.
 
-    python -m spikingsail.launchers.lifeline      (the watchdog: pids on stdin, then "done")
+    python -I lifeline.py      (the watchdog: pids on stdin, then "done"; standard library only)
 """
 
 from __future__ import annotations
@@ -69,8 +69,10 @@ class Watchdog:
     def __init__(self) -> None:
         reader, self._writer = os.pipe()
         try:
+            # this file as a script, in isolated mode (-I: not its directory on sys.path, whose
+            # platform.py would shadow the standard library's): standard library only, no torch
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "spikingsail.launchers.lifeline"],
+                [sys.executable, "-I", str(Path(__file__).resolve())],
                 stdin=reader,
                 start_new_session=True,  # a terminal's hang-up or Ctrl-C does not reach it
             )

@@ -25,6 +25,15 @@ def dataset() -> TensorDataset:
     )
 
 
+def every_ranks(engine: spikingsail.Engine, mine: list[int]) -> list[int]:
+    """The sample ids of this micro-step on every rank, rank by rank."""
+    if not dist.is_initialized():
+        return mine
+    everyone: list[list[int]] = [[] for _ in range(engine.world_size)]
+    dist.all_gather_object(everyone, mine)
+    return [i for part in everyone for i in part]
+
+
 def samples_per_step(checkpoints: str, stop_at: int | None, resume: bool) -> list[list[int]]:
     """The sample ids every optimizer step used, gathered over ranks (each rank returns all of them)."""
     torch.manual_seed(0)
@@ -38,12 +47,7 @@ def samples_per_step(checkpoints: str, stop_at: int | None, resume: bool) -> lis
         for x, y, index in loader:
             engine.backward(F.cross_entropy(engine(x), y))
             engine.step()
-            mine = index.tolist()
-            if dist.is_initialized():
-                everyone: list[list[int]] = [[] for _ in range(engine.world_size)]
-                dist.all_gather_object(everyone, mine)
-                mine = sorted(i for part in everyone for i in part)
-            seen.append(sorted(mine))
+            seen.append(sorted(every_ranks(engine, index.tolist())))
             if engine.global_steps in (stop_at, STEPS):
                 break
         if engine.global_steps == stop_at:
@@ -79,12 +83,7 @@ def steps_and_weights(checkpoints: str, stop_at: int | None, resume: bool) -> di
             before = engine.global_steps
             engine.backward(F.cross_entropy(engine(x), y))
             engine.step()
-            mine = index.tolist()
-            if dist.is_initialized():
-                everyone: list[list[int]] = [[] for _ in range(engine.world_size)]
-                dist.all_gather_object(everyone, mine)
-                mine = [i for part in everyone for i in part]
-            window += mine
+            window += every_ranks(engine, index.tolist())
             if engine.global_steps > before:
                 steps.append(sorted(window))
                 window = []

@@ -98,9 +98,15 @@ class JobLock:
                 "rank 0 marks the checkpoint directory as in use, so that a second job cannot save there",
                 "make the checkpoint directory writable, or choose another --checkpoints-path",
             ) from None
-        if _read(self.path) != self.holder:  # another job took it over at the same moment
-            other = _read(self.path)
-            raise self._refusal(other) if other is not None else CheckpointError(f"lost the lock {self.path}")
+        now = _read(self.path)
+        if now != self.holder:  # another job took it over at the same moment
+            if now is not None:
+                raise self._refusal(now)
+            raise CheckpointError(
+                f"the job lock {self.path} vanished while this job took it",
+                "another job or a person removed it at the same moment",
+                "check that no other job uses this checkpoint directory, then start again",
+            )
         self._beat = threading.Thread(target=self._heartbeat, name="sail-job-lock", daemon=True)
         self._beat.start()
 

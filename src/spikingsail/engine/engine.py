@@ -400,6 +400,7 @@ class Engine:
         try:
             return self._agree_on_lock(JobLock(directory) if self.rank_info.is_rank_zero else None)
         except BaseException:
+            self.monitor.close()
             self._destroy_checkpoint_group()
             self.backend.teardown()  # a refused start leaves no process group up
             raise

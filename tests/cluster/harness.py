@@ -18,6 +18,7 @@ from pathlib import Path
 
 REQUIRED = ("ip", "nsenter", "unshare", "ssh", "ssh-keygen", "/usr/sbin/sshd")
 SUBNET = "10.99.0"
+NIC = "sail0"
 # The cluster's own services; anything else on a node is a job's, or a test's.
 DAEMONS = ("/usr/sbin/sshd", "sshd:", "/usr/sbin/slurmctld", "slurmctld:", "/usr/sbin/slurmd")
 
@@ -247,8 +248,10 @@ class NamespaceCluster:
         _ip("link", "add", a, "type", "veth", "peer", "name", b)
         for veth, name in zip(self._veth, self.names, strict=False):
             _ip("link", "set", veth, "netns", self.netns[name])
-            _ip("-n", self.netns[name], "addr", "add", f"{self.address[name]}/24", "dev", veth)
-            _ip("-n", self.netns[name], "link", "set", veth, "up")
+            # one name on every node, as on a cluster (Horovod looks for a common interface by name)
+            _ip("-n", self.netns[name], "link", "set", veth, "name", NIC)
+            _ip("-n", self.netns[name], "addr", "add", f"{self.address[name]}/24", "dev", NIC)
+            _ip("-n", self.netns[name], "link", "set", NIC, "up")
         entries = [f"{address} {name}" for name, address in self.address.items()]
         self.hosts_file.write_text("\n".join(["127.0.0.1 localhost", *entries, f"{SUBNET}.3 node3", ""]))
 

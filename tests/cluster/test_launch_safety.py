@@ -154,6 +154,24 @@ def test_every_signal_to_the_launcher_reaches_both_nodes_and_leaves_nothing(
 
 
 @pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: s.name)
+def test_every_signal_to_horovodrun_reaches_the_ranks_on_both_nodes_and_leaves_nothing(
+    cluster: NamespaceCluster, tmp_path: Path, signum: signal.Signals
+) -> None:
+    # horovodrun's ssh takes no -F: node1's own ssh_config is the cluster's, as ~/.ssh/config would be
+    argv = [*SAIL, "--launcher", "horovodrun", "-H", "node1:1,node2:1", str(JOB), str(tmp_path / "out")]
+    log = (tmp_path / "launch.log").open("w")
+    prelude = f"mount --bind {cluster.ssh_config} /etc/ssh/ssh_config"
+    process = subprocess.Popen(cluster.node_argv("node1", argv, prelude=prelude), cwd=tmp_path,
+                               env=cluster.slurm_env(), stdout=log, stderr=log, text=True)  # fmt: skip
+    try:
+        signal_the_launcher(process, tmp_path, signum)
+    finally:
+        stop(tmp_path)
+        process.kill()
+    assert_no_job_left(cluster)
+
+
+@pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: s.name)
 def test_every_signal_to_the_launcher_reaches_the_tasks_of_an_allocation(
     slurm: NamespaceCluster, tmp_path: Path, signum: signal.Signals
 ) -> None:

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,7 @@ def test_horovodrun_command(job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOROVOD_GLOO_TOKEN", "s3cr3t")  # a credential's name: stays here too
     (command,) = plan(parse_request([
         "--launcher", "horovodrun", "-H", "node1:2,node2:2", "-np", "3", "--ssh-port", "222",
-        "--master-port", "23456", "--env", "SAIL_PROBE=yes", "--launcher-args=--verbose",
+        "--master-port", "23456", "--env", "SAIL_PROBE=yes", "--launcher-args=--verbose", "--rdzv-id", "job7",
         "train.py", "--lr", "0.1",
     ]))  # fmt: skip
     expected = (GOLDEN / "horovodrun.txt").read_text().format(python=sys.executable, home=job / "home")
@@ -59,22 +60,77 @@ def test_horovodrun_command(job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         "HOME": str(job / "home"), "PATH": "/usr/local/bin:/usr/bin:/bin", "HOROVOD_FUSION_THRESHOLD": "33554432",
         "MASTER_ADDR": "node1", "MASTER_PORT": "23456", "NCCL_DEBUG": "INFO", "SAIL_PROBE": "yes",
     }  # fmt: skip
-    assert command.argv[0] == sys.executable and not any("=" in arg for arg in command.argv)
+    assert command.argv[0] == sys.executable
+    assert [arg for arg in command.argv if "=" in arg] == ["sail-run=job7"]  # the ranks' mark, no value
 
 
 def test_without_hosts_every_process_runs_here(job: Path) -> None:
     for flags in (["-n", "3"], ["-np", "3"]):
         (command,) = plan(parse_request(["--launcher", "horovodrun", *flags, "train.py"]))
-        assert command.argv[-6:] == ["-np", "3", "-H", "localhost:3", sys.executable, "train.py"]
+        assert command.argv[-8:-3] == ["-np", "3", "-H", "localhost:3", sys.executable]
+        assert command.argv[-3] == "-X" and command.argv[-2].startswith("sail-run=sail-")
+        assert command.argv[-1] == "train.py"
 
 
 def test_module_and_no_python(job: Path) -> None:
-    (module,) = plan(parse_request(["--launcher", "horovodrun", "-H", "localhost:2", "-m", "pkg.train", "x"]))
-    assert module.argv[-5:] == ["localhost:2", sys.executable, "-m", "pkg.train", "x"]
+    (module,) = plan(parse_request(["--launcher", "horovodrun", "-H", "localhost:2", "--rdzv-id", "j", "-m",
+                                    "pkg.train", "x"]))  # fmt: skip
+    assert module.argv[-7:] == ["localhost:2", sys.executable, "-X", "sail-run=j", "-m", "pkg.train", "x"]
+    assert module.relay is not None and module.cleanup is not None and not module.stand_ins
     (binary,) = plan(
         parse_request(["--launcher", "horovodrun", "-H", "localhost:2", "--no-python", "train.py"])
     )
     assert binary.argv[-2:] == ["localhost:2", "train.py"]
+    # no Python, no mark to find the ranks by: signals go to horovodrun, which ends every rank with
+    # SIGTERM on SIGINT and SIGTERM only
+    assert binary.relay is None and binary.cleanup is None
+    assert binary.stand_ins == {"SIGHUP": "SIGTERM", "SIGQUIT": "SIGTERM", "SIGUSR1": "SIGTERM"}
+
+
+# A rank that forks (a data loader worker) and the child, with the same command line.
+FORKING_RANK = """
+import os, signal, sys, time
+out = sys.argv[1]
+def note(name):
+    def handler(signum, frame):
+        open(os.path.join(out, name), "w").close()
+    return handler
+if os.fork() == 0:
+    signal.signal(signal.SIGUSR1, note("child"))
+else:
+    signal.signal(signal.SIGUSR1, note("rank"))
+open(os.path.join(out, f"ready{os.getpid()}"), "w").close()
+time.sleep(30)
+"""
+
+
+def test_a_signal_reaches_each_rank_of_the_job_and_not_its_forked_children(job: Path) -> None:
+    (command,) = plan(parse_request(["--launcher", "horovodrun", "-H", "localhost:1", "--rdzv-id", "job7",
+                                     "train.py"]))  # fmt: skip
+    assert command.relay is not None
+    script = job / "rank.py"
+    script.write_text(FORKING_RANK)
+    for out in ("ours", "other"):
+        (job / out).mkdir()
+    ours = subprocess.Popen([sys.executable, "-X", "sail-run=job7", str(script), str(job / "ours")])
+    other = subprocess.Popen([sys.executable, "-X", "sail-run=job77", str(script), str(job / "other")])
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(job.glob("*/ready*"))) < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        subprocess.run([*command.relay, "USR1"], check=True, timeout=30)
+        deadline = time.monotonic() + 10
+        while not (job / "ours" / "rank").exists():
+            assert time.monotonic() < deadline, "the rank did not get SIGUSR1"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert not (job / "ours" / "child").exists()  # only the rank itself, as torchrun's agent does
+        assert not {"rank", "child"} & {f.name for f in (job / "other").iterdir()}  # another job's: untouched
+    finally:
+        for process in (ours, other):
+            process.kill()
+        subprocess.run(["pkill", "-KILL", "-f", str(script)], check=False)
 
 
 @pytest.mark.parametrize(

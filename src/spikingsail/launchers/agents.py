@@ -79,15 +79,27 @@ def signal_relay(rdzv: Rendezvous) -> str:
     return f"sh -c {shlex.quote(script)}"
 
 
+def top_processes_signal(pattern: str) -> str:
+    """A shell line that sends the signal named by ``$0`` to the processes matching ``pattern`` (an
+    extended regular expression for ``pgrep -f``) in this host's network namespace, except those
+    whose parent matches too: a rank's forked children (data loader workers) share its command line,
+    and only the rank itself is told, as torchrun's agent tells only its workers."""
+    return (
+        f'pids=" $(pgrep --ns $$ --nslist net -f -- {pattern} | tr "\\n" " ") "; '
+        'for p in $pids; do pp=$(ps -o ppid= -p "$p" | tr -d " "); '
+        'case "$pids" in *" $pp "*) ;; *) kill -s "$0" "$p" 2>/dev/null;; esac; done; true'
+    )
+
+
 def _agent_pattern(rdzv: Rendezvous) -> str:
     """The job's torchrun agents, by their whole command line: on the launching machine the ssh
     clients (and pdsh) that started them carry the same words inside their remote command."""
     return shlex.quote(
-        rf"^[^ ]+ -m torch[.]distributed[.]run .*--rdzv-id {_literal_pattern(rdzv.run_id)}( |$)"
+        rf"^[^ ]+ -m torch[.]distributed[.]run .*--rdzv-id {literal_pattern(rdzv.run_id)}( |$)"
     )
 
 
-def _literal_pattern(text: str) -> str:
+def literal_pattern(text: str) -> str:
     """An extended regular expression that matches ``text`` but not its own spelling, so that
     pgrep does not find the shell that runs it: every character in brackets of its own, where
     nothing is special but a leading ``^``."""

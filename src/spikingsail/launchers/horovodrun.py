@@ -24,13 +24,16 @@ stops every rank when one fails.
 from __future__ import annotations
 
 import importlib.util
+import shlex
 import sys
+import uuid
 
 from spikingsail.errors import LaunchError
+from spikingsail.launchers.agents import AGENT_GRACE_SECONDS, literal_pattern, top_processes_signal
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.hostfile import is_this_machine
 from spikingsail.launchers.remote_env import launcher_env, looks_secret, remote_env
-from spikingsail.launchers.request import LaunchRequest, require_first_slots
+from spikingsail.launchers.request import LaunchRequest, SSHOptions, require_first_slots
 
 INSTALL_HINT = (
     'pip install "$(bash scripts/build-horovod.sh PYTHON)" (builds Horovod 0.28.1 with PyTorch and Gloo '
@@ -77,20 +80,65 @@ class HorovodrunLauncher:
         ]  # fmt: skip
         if request.ssh.port:
             argv += ["-p", str(request.ssh.port)]
-        argv += [*request.launcher_args, *_program(request)]
+        run_id = request.rdzv_id or f"sail-{uuid.uuid4().hex[:12]}"
+        program = _program(request, run_id)
+        argv += [*request.launcher_args, *program]
+        hosts = list(dict.fromkeys(n.host for n in request.nodes))
+        if program[0] != sys.executable:  # --no-python: the ranks carry no mark to be found by
+            relay, cleanup = None, None
+        else:
+            pattern = shlex.quote(rf"^[^ ]+ -X {literal_pattern(_MARK + run_id)}( |$)")
+            relay = ["sh", "-c", _on_every_host(hosts, top_processes_signal(pattern), request.ssh, '"$0"')]
+            cleanup = ["sh", "-c", _on_every_host(hosts, _leftover_ranks(pattern), request.ssh, "TERM")]
         return [
-            LaunchCommand(host=",".join(n.host for n in request.nodes), argv=argv, env=env, clean_env=True)
-        ]
+            LaunchCommand(host=",".join(hosts), argv=argv, env=env, clean_env=True, relay=relay, cleanup=cleanup,
+                          stand_ins=_STAND_INS if relay is None else {})
+        ]  # fmt: skip
 
 
-def _program(request: LaunchRequest) -> list[str]:
+# Every rank's Python runs with ``-X sail-run=RUN_ID`` (an -X option Python keeps in
+# sys._xoptions and otherwise ignores): the job's ranks are found by it on every host, to pass a
+# signal on to them (horovodrun handles only SIGINT and SIGTERM, and only by stopping every rank
+# with SIGTERM) and to end what is left on a remote host after horovodrun was stopped (its ssh
+# clients have no terminal, so a remote rank gets no hang-up).
+_MARK = "sail-run="
+# With --no-python there is no mark: signals go to horovodrun, which stops every rank with SIGTERM.
+_STAND_INS = {"SIGHUP": "SIGTERM", "SIGQUIT": "SIGTERM", "SIGUSR1": "SIGTERM"}
+
+
+def _program(request: LaunchRequest, run_id: str) -> list[str]:
     """What every rank runs: the script with this Python (or -m module, or --no-python as is)."""
     flags = {arg.split("=", 1)[0] for arg in request.torchrun_args}
     if flags & set(_NO_PYTHON_FLAGS):
         return [request.script, *request.script_args]
+    python = [sys.executable, "-X", _MARK + run_id]
     if request.runs_module:
-        return [sys.executable, "-m", request.script, *request.script_args]
-    return [sys.executable, request.script, *request.script_args]
+        return [*python, "-m", request.script, *request.script_args]
+    return [*python, request.script, *request.script_args]
+
+
+def _leftover_ranks(pattern: str) -> str:
+    """A shell line (``$0``: TERM) for a host after horovodrun was stopped: the job's ranks there
+    get SIGTERM and ``AGENT_GRACE_SECONDS`` to end, then what is left of them is killed and named."""
+    ticks = AGENT_GRACE_SECONDS * 2
+    return (
+        f"{top_processes_signal(pattern)}; "
+        f"i=0; while pgrep --ns $$ --nslist net -f -- {pattern} >/dev/null && [ $i -lt {ticks} ]; "
+        "do sleep 0.5; i=$((i+1)); done; "
+        f"for p in $(pgrep --ns $$ --nslist net -f -- {pattern}); do kill -KILL $p && "
+        'echo "killed rank process $p on $(hostname): it did not stop on SIGTERM"; done; true'
+    )
+
+
+def _on_every_host(hosts: list[str], line: str, ssh: SSHOptions, arg: str) -> str:
+    """A shell script that runs ``sh -c LINE ARG`` on every host at once (here, or over ssh) and
+    waits; ``ARG`` is the line's ``$0``, the name of the signal to send."""
+    runs = []
+    for host in hosts:
+        local = ["sh", "-c", line]
+        argv = local if is_this_machine(host) else ssh.command(host, shlex.join(local))
+        runs.append(f"{shlex.join(argv)} {arg} &")
+    return " ".join([*runs, "wait"])
 
 
 def _refuse_credentials(env: dict[str, str], request: LaunchRequest) -> None:

@@ -10,17 +10,20 @@ cannot be caught, so:
 - the multi-node launchers' commands (ssh, pdsh, mpirun, srun clients) are watched by a
   ``Watchdog`` process, which ends their whole process trees when sail is gone. An ssh client that
   ends closes its connection, and the remote agent, on a terminal of its own (``ssh -tt``), gets a
-  hang-up and stops its workers; mpirun and srun end their ranks.
+  hang-up and stops its workers; mpirun and srun end their ranks. Then the commands' cleanups run
+  (horovodrun's: its remote ranks, started by ssh without a terminal, get no hang-up).
 
 Linux only; elsewhere the children are started as before.
 
-    python -I lifeline.py      (the watchdog: pids on stdin, then "done"; standard library only)
+    python -I lifeline.py      (the watchdog: pids and "cleanup [ARGV, ENV]" JSON lines on stdin,
+                                then "done"; standard library only)
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -83,6 +86,12 @@ class Watchdog:
         with contextlib.suppress(OSError):
             os.write(self._writer, f"{pid}\n".encode())
 
+    def clean_up_with(self, argv: list[str], env: dict[str, str]) -> None:
+        """Run ``argv`` (with ``env``) after the trees ended, should sail die: it ends what the
+        commands left on other hosts (horovodrun's remote ranks, which get no hang-up)."""
+        with contextlib.suppress(OSError):
+            os.write(self._writer, f"cleanup {json.dumps([argv, env])}\n".encode())
+
     def done(self) -> None:
         """The commands ended (or were stopped) under sail's own eyes: nothing for the watchdog to do."""
         with contextlib.suppress(OSError):
@@ -125,12 +134,16 @@ def descendants(root: int) -> list[int]:
 
 def _watch() -> None:
     started: dict[int, str | None] = {}
+    cleanups: list[tuple[list[str], dict[str, str]]] = []
     for line in sys.stdin:
         word = line.strip()
         if word == "done":
             return
         if word.isdigit():
             started[int(word)] = start_time(int(word))
+        elif word.startswith("cleanup "):
+            argv, env = json.loads(word.removeprefix("cleanup "))
+            cleanups.append((argv, env))
     # sail is gone: end what it started, whole trees, taken before anything is signalled
     targets = {}
     for root, when in started.items():
@@ -142,6 +155,16 @@ def _watch() -> None:
     while time.monotonic() < deadline and _alive(targets):
         time.sleep(0.1)
     _signal(targets, signal.SIGKILL)
+    running = [subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL) for argv, env in cleanups]
+    for process in running:
+        try:
+            process.wait(timeout=CLEANUP_SECONDS)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+# A cleanup waits out the job's own grace period (15 s), plus time to connect.
+CLEANUP_SECONDS = 60.0
 
 
 def _alive(targets: dict[int, str | None]) -> dict[int, str | None]:

@@ -95,6 +95,8 @@ def _run(
     for command in commands:
         running.append(_start(command))
         watchdog.watch(running[-1].process.pid)
+        if command.cleanup:
+            watchdog.clean_up_with(command.cleanup, _environment(command))
     relays = [threading.Thread(target=_relay, args=(r, output), daemon=True) for r in running]
     for relay in relays:
         relay.start()

@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--env", action="append", default=[])
     parser.add_argument("--timeout", type=float, default=120)
     args = parser.parse_args()
-    rank = os.environ["RANK"]
+    rank = os.environ.get("RANK") or os.environ["HOROVOD_RANK"]  # torchrun, or horovodrun
     args.out.mkdir(parents=True, exist_ok=True)
 
     def on_usr1(_signum: int, _frame: FrameType | None) -> None:

@@ -50,7 +50,8 @@ def evaluate(engine: spikingsail.Engine, dataset: torch.utils.data.Dataset) -> f
     counts = torch.zeros(2)
     with torch.no_grad():
         for images, labels in engine.dataloader(dataset, shuffle=False, pad=False):
-            predicted = firing_rate(engine(engine.encode(images))).argmax(dim=1).cpu()
+            # on engine.device, as the labels are
+            predicted = firing_rate(engine(engine.encode(images))).argmax(dim=1)
             counts += torch.tensor([(predicted == labels).sum().item(), len(labels)])
     engine.train()
     correct, total = engine.all_reduce(counts).tolist()
@@ -75,7 +76,7 @@ def main() -> None:
     for epoch in range(loader.epoch, args.epochs):  # after a resume: the epoch the checkpoint was in
         for images, labels in loader:
             rate = firing_rate(engine(engine.encode(images)))  # [T, N, 10] spikes → [N, 10] rates
-            loss = F.mse_loss(rate, F.one_hot(labels.to(rate.device), 10).float())
+            loss = F.mse_loss(rate, F.one_hot(labels, 10).float())
             engine.backward(loss)
             engine.step()
         if engine.rank == 0 and (epoch + 1) % 5 == 0:

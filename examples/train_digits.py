@@ -41,7 +41,7 @@ def evaluate(engine: spikingsail.Engine, dataset: torch.utils.data.Dataset) -> f
     counts = torch.zeros(2)
     with torch.no_grad():
         for images, labels in engine.dataloader(dataset, shuffle=False, pad=False):
-            predicted = engine(images).argmax(dim=1).cpu()
+            predicted = engine(images).argmax(dim=1)  # on engine.device, as the labels are
             counts += torch.tensor([(predicted == labels).sum().item(), len(labels)])
     engine.train()
     correct, total = engine.all_reduce(counts).tolist()

@@ -7,18 +7,44 @@
 # script fetches the sdist, makes exactly those two changes, builds a wheel and keeps it in the
 # cache keyed by Horovod, torch and Python versions, so later runs only install it.
 #
+# GPU operations: with a CUDA build of torch and nvcc on PATH (a GPU node's set-up), Horovod is built
+# with NCCL (HOROVOD_GPU_OPERATIONS=NCCL), so that the horovod backend all-reduces on the GPUs; else
+# CPU-only (gloo and MPI). SAIL_HOROVOD_GPU=nccl or =none decides instead; HOROVOD_NCCL_HOME, when
+# set, tells Horovod where NCCL is. The choice is part of the cache key.
+#
 #   scripts/build-horovod.sh PYTHON      prints the path of the (cached) wheel on stdout
+#   scripts/build-horovod.sh --key PYTHON   prints only the cache key (torch, Python, GPU operations)
 set -euo pipefail
-python=${1:?usage: build-horovod.sh PYTHON}
+key_only=false
+if [ "${1:-}" = "--key" ]; then key_only=true; shift; fi
+python=${1:?usage: build-horovod.sh [--key] PYTHON}
 version=0.28.1
 cache=${SPIKINGSAIL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/spikingsail}
+torch_cuda=$("$python" -c 'import torch; print(torch.version.cuda or "")')
+gpu=${SAIL_HOROVOD_GPU:-}
+if [ -z "$gpu" ]; then
+  if [ -n "$torch_cuda" ] && command -v nvcc >/dev/null; then gpu=nccl; else gpu=none; fi
+fi
+case "$gpu" in
+  nccl) gpu_env=(HOROVOD_GPU_OPERATIONS=NCCL) ;;
+  none) gpu_env=() ;;
+  *) echo "[horovod] SAIL_HOROVOD_GPU=$gpu: give nccl or none" >&2; exit 2 ;;
+esac
+if [ "$gpu" = nccl ] && [ -z "$torch_cuda" ]; then
+  echo "[horovod] SAIL_HOROVOD_GPU=nccl needs a CUDA build of torch; this one is CPU-only" >&2
+  exit 2
+fi
 key=$("$python" -c 'import sys, torch; print(f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}")')
-out="$cache/wheels/horovod-$version-$key-gloo-mpi"
+key="$key-gloo-mpi"
+if [ "$gpu" = nccl ]; then key="$key-nccl-cuda$torch_cuda"; fi
+if $key_only; then echo "$key"; exit 0; fi
+out="$cache/wheels/horovod-$version-$key"
 if ls "$out"/horovod-*.whl >/dev/null 2>&1; then
   ls "$out"/horovod-*.whl
   exit 0
 fi
 echo "[horovod] building horovod $version for $key (once per machine: about 7 minutes)" >&2
+if [ "$gpu" = nccl ]; then echo "[horovod] with NCCL for GPU tensors (CUDA $torch_cuda)" >&2; fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$python" -m pip download --quiet --no-deps --no-binary :all: "horovod==$version" -d "$work" >&2
@@ -30,7 +56,7 @@ grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" || {
   exit 1
 }
 mkdir -p "$work/wheel"
-CMAKE_POLICY_VERSION_MINIMUM=3.5 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
+env ${gpu_env[@]+"${gpu_env[@]}"} CMAKE_POLICY_VERSION_MINIMUM=3.5 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
   HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS=-j"$(nproc)" \
   "$python" -m pip wheel --quiet --no-deps --no-build-isolation "$src" -w "$work/wheel" >&2
 mkdir -p "$out.tmp"

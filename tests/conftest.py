@@ -32,6 +32,18 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.realpath(sys.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``requires_cuda`` tests are skipped, with the reason, where torch sees no GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False here")
+    for item in items:
+        if "requires_cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_report_header() -> str:
     from tests.matrix.cells import session_seed
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -277,3 +278,26 @@ def test_choosing_another_backend_never_imports_horovod() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_horovod_build_chooses_nccl_only_with_a_cuda_torch_and_keys_its_cache_by_it() -> None:
+    script = Path(__file__).parents[2] / "scripts" / "build-horovod.sh"
+
+    def key(**env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", str(script), "--key", sys.executable], capture_output=True, text=True,
+                              env={**os.environ, **env}, check=False, timeout=120)  # fmt: skip
+
+    cuda = torch.version.cuda
+    default = key()
+    assert default.returncode == 0, default.stderr
+    assert default.stdout.strip().endswith(
+        f"-gloo-mpi-nccl-cuda{cuda}" if cuda and shutil.which("nvcc") else "-gloo-mpi"
+    )
+    forced = key(SAIL_HOROVOD_GPU="nccl")
+    if cuda:
+        assert forced.returncode == 0 and forced.stdout.strip().endswith(f"-nccl-cuda{cuda}")
+    else:
+        assert forced.returncode == 2 and "needs a CUDA build of torch" in forced.stderr
+    assert key(SAIL_HOROVOD_GPU="none").stdout.strip().endswith("-gloo-mpi")
+    wrong = key(SAIL_HOROVOD_GPU="yes")
+    assert wrong.returncode == 2 and "give nccl or none" in wrong.stderr

@@ -111,7 +111,7 @@ def test_the_check_would_catch_a_lost_rng_state(tmp_path: Path, monkeypatch: pyt
 
     straight = train(None, None, resume=False, single=True)
     assert train(str(tmp_path), 7, resume=False, single=True) is None
-    monkeypatch.setattr(engine_state, "restore_rng", lambda state: None)
+    monkeypatch.setattr(engine_state, "restore_rng", lambda state, device: None)
     resumed = train(str(tmp_path), None, resume=True, single=True)
     assert straight is not None and resumed is not None
     with pytest.raises(AssertionError):

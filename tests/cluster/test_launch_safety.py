@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from spikingsail.launchers.command import FORWARDED
+from spikingsail.launchers.lifeline import AGENT_GRACE_SECONDS
 from tests.cluster.harness import NamespaceCluster, processes_with
 from tests.cluster.test_ssh_pdsh import SAIL, assert_no_job_left, hostfile
 
@@ -209,4 +210,78 @@ def test_a_second_launch_onto_a_live_jobs_rendezvous_port_is_refused_naming_it(
     finally:
         stop(tmp_path)
     assert first.wait(timeout=60) == 0
+    assert_no_job_left(cluster)
+
+
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
+def test_a_network_cut_from_the_launching_host_ends_the_other_nodes_part_within_the_bound(
+    cluster: NamespaceCluster, tmp_path: Path, launcher: str
+) -> None:
+    timeout = 3
+    process = start(cluster, tmp_path, ["--launcher", launcher, "--heartbeat-timeout", str(timeout)], [],
+                    cluster.slurm_env())  # fmt: skip
+    try:
+        wait_for(lambda: started(tmp_path), 90, lambda: (tmp_path / "launch.log").read_text()[-3000:])
+        node2 = set(cluster.pids("node2"))
+        out = str(tmp_path / "out")
+        on_node2 = [pid for pid in processes_with(out) if pid in node2]
+        assert on_node2, "the job runs on node2"
+        link = ["ip", "-n", cluster.netns["node1"], "link", "set", "sail0"]
+        subprocess.run([*link, "down"], check=True)
+        cut = time.monotonic()
+        try:
+            # node2's part ends by itself: no heartbeat for the timeout, then its agent stops the worker
+            wait_for(lambda: not [p for p in processes_with(out) if p in node2], timeout + AGENT_GRACE_SECONDS,
+                     lambda: f"left on node2: {processes_with(out)}")  # fmt: skip
+            ended = time.monotonic() - cut
+            time.sleep(max(0.0, 5 - (time.monotonic() - cut)))
+        finally:
+            subprocess.run([*link, "up"], check=True)
+        assert ended < 5, f"node2's part took {ended:.1f} s, more than the 5 s cut"
+        code = process.wait(timeout=90)
+        log = (tmp_path / "launch.log").read_text()
+        assert code != 0, log[-3000:]
+        assert "sail launch: lost node node2: no answer for 3 s on the heartbeat connection" in log, log[
+            -3000:
+        ]
+    finally:
+        stop(tmp_path)
+        process.kill()
+    assert not (tmp_path / "out" / "usr1-1").exists()
+    assert_no_job_left(cluster)
+
+
+@pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: s.name)
+def test_platform_mode_every_signal_to_each_nodes_launcher_leaves_nothing(
+    cluster: NamespaceCluster, tmp_path: Path, signum: signal.Signals
+) -> None:
+    """A platform (Kubernetes, a cloud job service) starts sail on every node with MASTER_ADDR,
+    RANK (the node's) and WORLD_SIZE (nodes), and signals every node's sail when it stops the job."""
+    out = str(tmp_path / "out")
+    processes = []
+    for rank, node in enumerate(cluster.names):
+        env = {**cluster.slurm_env(), "MASTER_ADDR": "node1", "MASTER_PORT": "29612", "RANK": str(rank),
+               "WORLD_SIZE": "2"}  # fmt: skip
+        log = (tmp_path / f"launch{rank}.log").open("w")
+        argv = [*SAIL, "--nproc-per-node", "1", str(JOB), out]
+        processes.append(subprocess.Popen(cluster.node_argv(node, argv), cwd=tmp_path, env=env, stdout=log,
+                                          stderr=log, text=True))  # fmt: skip
+    try:
+        logs = lambda: "".join((tmp_path / f"launch{r}.log").read_text()[-2000:] for r in (0, 1))  # noqa: E731
+        wait_for(lambda: started(tmp_path), 90, logs)
+        sails = [p for p, line in processes_with(out).items() if line.startswith(" ".join(SAIL))]
+        assert len(sails) == 2, processes_with(out)
+        for pid in sails:
+            os.kill(pid, signum)
+        wait_for(
+            lambda: not processes_with(out), 10, lambda: f"left after {signum.name}: {processes_with(out)}"
+        )
+        if signum != signal.SIGKILL:
+            assert [p.wait(timeout=10) for p in processes] == [128 + signum] * 2, logs()
+        if signum == signal.SIGUSR1:
+            assert (tmp_path / "out" / "usr1-0").exists() and (tmp_path / "out" / "usr1-1").exists()
+    finally:
+        stop(tmp_path)
+        for process in processes:
+            process.kill()
     assert_no_job_left(cluster)

@@ -11,10 +11,15 @@ from pathlib import Path
 import pytest
 
 from spikingsail.errors import LaunchError
-from spikingsail.launchers import plan
+from spikingsail.launchers import plan as full_plan
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.preflight import check_hosts
-from spikingsail.launchers.request import FORWARDED_SIGNALS, SSHOptions, parse_request
+from spikingsail.launchers.request import FORWARDED_SIGNALS, LaunchRequest, SSHOptions, parse_request
+
+
+def plan(request: LaunchRequest) -> list[LaunchCommand]:
+    """The commands that start the job; each node's heartbeat connection is tested on its own."""
+    return [command for command in full_plan(request) if not command.heartbeat]
 
 
 def setenv(monkeypatch: pytest.MonkeyPatch, variables: dict[str, str]) -> None:
@@ -297,3 +302,23 @@ def test_only_ss_lines_of_a_listener_on_the_port_count_as_taken() -> None:
     assert not _is_listener("LISTEN 0      4096         0.0.0.0:129500      0.0.0.0:*", 29500)
     assert not _is_listener("Welcome to node1: 29500 jobs served", 29500)  # a login banner
     assert not _is_listener("", 29500)
+
+
+@pytest.mark.parametrize(
+    ("variables", "per_node"),
+    [
+        ({"SLURM_GPUS_ON_NODE": "4"}, "4"),
+        # salloc --ntasks-per-node=4 --gpus-per-task=1: four GPUs a node, one per task
+        ({"SLURM_GPUS_PER_TASK": "1", "SLURM_NTASKS_PER_NODE": "4"}, "4"),
+        ({"SLURM_GPUS_PER_TASK": "2"}, "2"),
+        ({"SLURM_GPUS_PER_NODE": "a100:8"}, "8"),
+        ({}, "1"),
+    ],
+)
+def test_processes_per_node_inside_an_allocation_are_its_gpus_per_node(
+    job: Path, monkeypatch: pytest.MonkeyPatch, variables: dict[str, str], per_node: str
+) -> None:
+    allocation = {k: v for k, v in ALLOCATION.items() if k != "SLURM_GPUS_ON_NODE"}
+    setenv(monkeypatch, {**allocation, **variables})
+    (command,) = plan(parse_request(["train.py"]))
+    assert command.argv[command.argv.index("--nproc-per-node") + 1] == per_node

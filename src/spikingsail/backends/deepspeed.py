@@ -28,6 +28,7 @@ from torch.distributed import HashStore  # type: ignore[attr-defined]  # public,
 from spikingsail.backends.process_group import ProcessGroupBackend, dist_backend_for
 from spikingsail.checkpoint.store import CheckpointError
 from spikingsail.config.parse import INERT_DEEPSPEED_KEYS
+from spikingsail.engine.precision import native_bf16
 from spikingsail.errors import BackendError
 from spikingsail.tensors import map_tensors
 
@@ -158,6 +159,8 @@ class DeepSpeedBackend(ProcessGroupBackend):
         accelerator = get_accelerator()
         key = "fp16" if self._half is torch.float16 else "bf16"
         supported = accelerator.is_fp16_supported() if key == "fp16" else accelerator.is_bf16_supported()
+        if key == "bf16" and self.device.type == "cuda":
+            supported = native_bf16(self.device)  # DeepSpeed's answer counts emulation (V100, T4)
         if supported:
             return
         name = accelerator.device_name()

@@ -20,10 +20,17 @@ log = logging.getLogger(__name__)
 
 
 def select_device(rank_info: RankInfo) -> torch.device:
-    """One GPU per process chosen by local rank when CUDA is present, the CPU otherwise."""
+    """One GPU per process chosen by local rank when CUDA is present, the CPU otherwise. A process
+    that sees exactly one GPU uses it, whatever its local rank: SLURM's ``--gpus-per-task=1`` (what
+    ``sail submit`` writes for one task per process) binds each task to its own GPU, which every
+    task sees as device 0."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
     count = torch.cuda.device_count()
+    if count == 1:
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        return device
     if rank_info.local_rank >= count:
         raise BackendError(
             f"local rank {rank_info.local_rank} needs GPU {rank_info.local_rank}, but this node shows {count}",

@@ -30,6 +30,7 @@ FREE = (
     "sail.timeout_minutes",
     "sail.find_unused_parameters",
     "sail.move_inputs_to_device",
+    "sail.deterministic",
     "zero_optimization",  # how state is sharded, not what it is
     "fp16.auto_cast",
     "source",

@@ -77,7 +77,7 @@ def save(
     _barrier()
     staging = store.staging(tag)
     (staging / "rng").mkdir(exist_ok=True)
-    torch.save(capture_rng(), staging / "rng" / f"rank{rank}.pt")
+    torch.save(capture_rng(engine.device), staging / "rng" / f"rank{rank}.pt")
     if engine.micro_steps % engine.gradient_accumulation_steps():
         (staging / "grads").mkdir(exist_ok=True)
         grads = {name: p.grad for name, p in engine.module.named_parameters() if p.grad is not None}
@@ -170,16 +170,14 @@ def load(
         # in this run's accumulation, so that the next window is whole
         engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
     if saved_world == engine.world_size:
-        restore_rng(_load(path / "rng" / f"rank{engine.rank}.pt"))
+        restore_rng(_load(path / "rng" / f"rank{engine.rank}.pt"), engine.device)
     else:
         log.warning("resuming %d-process checkpoint on %d processes: data order and batches carry over, "
                     "random number streams start from rank %d's", saved_world, engine.world_size,
                     engine.rank % saved_world)  # fmt: skip
-        restore_rng(_load(path / "rng" / f"rank{engine.rank % saved_world}.pt"))
+        restore_rng(_load(path / "rng" / f"rank{engine.rank % saved_world}.pt"), engine.device)
     if partial_window:
-        grads = _load(path / "grads" / f"rank{engine.rank}.pt")
-        for name, param in engine.module.named_parameters():
-            param.grad = grads.get(name)
+        restore_grads(engine.module, _load(path / "grads" / f"rank{engine.rank}.pt"))
     _barrier()
     client_state: dict[str, Any] = state["client_state"]
     return path, client_state
@@ -251,7 +249,18 @@ def _apply_engine_state(engine: Engine, state: dict[str, Any]) -> None:
     engine.restore_loaders(list(state["loaders"]))
 
 
-def capture_rng() -> dict[str, Any]:
+def restore_grads(module: torch.nn.Module, grads: dict[str, torch.Tensor | None]) -> None:
+    """Put the gradients of a window in progress back, each on its parameter's device (they were
+    read onto the CPU)."""
+    for name, param in module.named_parameters():
+        grad = grads.get(name)
+        param.grad = None if grad is None else grad.to(param.device, non_blocking=True)
+
+
+def capture_rng(device: torch.device) -> dict[str, Any]:
+    """The random streams this rank draws from: Python, NumPy, torch's CPU generator, and the
+    generator of the rank's own GPU (not every visible GPU's: another job shape may see fewer, or
+    give this rank another index)."""
     kind, keys, position, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
@@ -259,19 +268,30 @@ def capture_rng() -> dict[str, Any]:
                   "position": int(position), "has_gauss": int(has_gauss), "cached": float(cached)},
         "torch": torch.get_rng_state(),
     }  # fmt: skip
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda_device"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: dict[str, Any], device: torch.device) -> None:
+    """Restore what ``capture_rng`` saved; the saved GPU stream goes to this rank's own device,
+    whatever its index now."""
     random.setstate(state["python"])
     numpy = state["numpy"]
     keys = numpy["keys"].numpy().astype(np.uint32)
     np.random.set_state((numpy["kind"], keys, numpy["position"], numpy["has_gauss"], numpy["cached"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if device.type != "cuda":
+        return
+    if "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"], device)
+    elif "cuda" in state:  # written by earlier versions: every visible GPU's stream, by index
+        saved = state["cuda"]
+        own = saved[device.index or 0] if (device.index or 0) < len(saved) else None
+        if own is None:
+            log.warning("the checkpoint has no random state for GPU %s; its stream starts afresh", device)
+        else:
+            torch.cuda.set_rng_state(own, device)
 
 
 def _load(path: Path) -> Any:

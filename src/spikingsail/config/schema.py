@@ -156,6 +156,9 @@ class SailSection:
     """Passed to DistributedDataParallel for models with branches not used every step."""
     move_inputs_to_device: bool = True
     """Move tensors passed to ``engine(...)`` onto the engine's device."""
+    deterministic: bool = False
+    """Deterministic kernels only (torch.use_deterministic_algorithms, cuDNN without autotuning,
+    CUBLAS_WORKSPACE_CONFIG): what bit-exact resume needs on GPUs."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

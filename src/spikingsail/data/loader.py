@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from spikingsail.data.sampler import ResumableShardSampler
+from spikingsail.tensors import map_tensors
 
 
 class ShardedLoader:
@@ -37,10 +38,15 @@ class ShardedLoader:
         pin_memory: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         on_batch: Callable[[], None] | None = None,
+        device: torch.device | None = None,
         **loader_kwargs: Any,
     ) -> None:
-        """``on_batch`` runs before each batch is handed out (the engine resets spiking neurons there)."""
+        """``on_batch`` runs before each batch is handed out (the engine resets spiking neurons there).
+        ``device``: every tensor of a batch (inputs and labels alike, in any nesting of lists,
+        tuples and dicts) is moved there before it is handed out, as Accelerate's and Fabric's
+        loaders do; None leaves batches where the dataset made them."""
         self.on_batch = on_batch
+        self.device = device
         length = len(dataset)  # type: ignore[arg-type]
         self.sampler: ResumableShardSampler | ExactShardSampler = (
             ResumableShardSampler(
@@ -96,9 +102,12 @@ class ShardedLoader:
             self.position += step
             if self.on_batch is not None:
                 self.on_batch()
-            yield batch
+            yield batch if self.device is None else map_tensors(batch, self._to_device)
         if self._active is token:
             self._end_epoch()
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, non_blocking=True)
 
     def _end_epoch(self) -> None:
         self._active = None

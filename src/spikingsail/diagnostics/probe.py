@@ -99,10 +99,10 @@ def torch_facts() -> Facts:
 
 def _gpu(torch: Any, index: int) -> Facts:
     props = torch.cuda.get_device_properties(index)
-    with torch.cuda.device(index):
-        bf16 = bool(torch.cuda.is_bf16_supported())
+    # bf16 in hardware: compute capability 8.0 or newer (torch.cuda.is_bf16_supported() also
+    # counts the slow emulation on a V100 or T4)
     return {"index": index, "name": props.name, "memory": props.total_memory,
-            "capability": f"{props.major}.{props.minor}", "bf16": bf16}  # fmt: skip
+            "capability": f"{props.major}.{props.minor}", "bf16": props.major >= 8}  # fmt: skip
 
 
 def driver_facts() -> Facts:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -62,6 +63,8 @@ class Engine:
         _check_optimizer_source(config, optimizer)
         if config.sail.seed is not None:
             seed_everything(config.sail.seed)
+        if config.sail.deterministic:
+            use_deterministic_algorithms()
         self.device = backend.setup()
         try:
             self.module = model.to(self.device)
@@ -294,7 +297,8 @@ class Engine:
         """This rank's shard of ``dataset`` in micro batches; the epoch advances on every full pass.
 
         ``pad=False`` (for evaluation) gives every sample to exactly one rank instead of repeating
-        samples to even out the shards.
+        samples to even out the shards. Batches arrive on ``engine.device`` (labels too), unless
+        ``sail.move_inputs_to_device`` is false.
         """
         loader = ShardedLoader(
             dataset,
@@ -308,6 +312,7 @@ class Engine:
             pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory,
             collate_fn=collate_fn,
             on_batch=self.snn.on_batch if self.snn.manages_state else None,
+            device=self.device if self._move_inputs else None,
             **loader_kwargs,
         )
         pending = self._pending_loader_states.pop(len(self.loaders), None)
@@ -500,6 +505,20 @@ def _check_optimizer_source(config: SailConfig, optimizer: torch.optim.Optimizer
             config.source,
             config.optimizer.type,
         )
+
+
+def use_deterministic_algorithms() -> None:
+    """Only deterministic kernels from here on. cuBLAS reads CUBLAS_WORKSPACE_CONFIG when CUDA
+    starts, so it is set here, before the engine touches the GPU; a script that used CUDA earlier
+    must export it itself (torch then raises at the first non-deterministic cuBLAS call)."""
+    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
+        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            log.warning("sail.deterministic: CUDA started before the engine, without CUBLAS_WORKSPACE_CONFIG; "
+                        "export CUBLAS_WORKSPACE_CONFIG=:4096:8 before starting the script")  # fmt: skip
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 def seed_everything(seed: int) -> None:

@@ -52,13 +52,20 @@ class Precision:
         """Restore what ``state_dict`` returned."""
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes in bfloat16 itself: a GPU of compute capability 8.0 or newer.
+    (``torch.cuda.is_bf16_supported()`` also says yes for older GPUs, where bf16 is emulated and
+    slower than fp32.) CPUs: yes, autocast runs bf16 there."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 8
+
+
 class BF16Precision(Precision):
     name = "bf16"
     dtype = torch.bfloat16
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        if not native_bf16(device):
             raise BackendError(
                 f"bf16.enabled is true but {torch.cuda.get_device_name(device)} has no bfloat16 support",
                 "bfloat16 needs compute capability 8.0 or newer (A100, H100, RTX 30xx and later)",

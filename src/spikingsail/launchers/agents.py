@@ -8,8 +8,9 @@ import sys
 import uuid
 from dataclasses import dataclass
 
-from spikingsail.launchers.command import Upload
+from spikingsail.launchers.command import LaunchCommand, Upload
 from spikingsail.launchers.hostfile import Node
+from spikingsail.launchers.lifeline import AGENT_GRACE_SECONDS, LIFELINE
 from spikingsail.launchers.remote_env import EnvFile
 from spikingsail.launchers.request import LaunchRequest, SSHOptions
 
@@ -41,10 +42,6 @@ def agent_argv(request: LaunchRequest, node: Node, rdzv: Rendezvous) -> list[str
         *request.torchrun_args,
         request.script, *request.script_args,
     ]  # fmt: skip
-
-
-# How long a node's agents have, after their connection was cut, to stop their workers.
-AGENT_GRACE_SECONDS = 15
 
 
 def leftover_cleanup(rdzv: Rendezvous, env_file: EnvFile | None = None) -> str:
@@ -92,10 +89,25 @@ def top_processes_signal(pattern: str) -> str:
 
 
 def _agent_pattern(rdzv: Rendezvous) -> str:
+    return shlex.quote(agent_regex(rdzv))
+
+
+def agent_regex(rdzv: Rendezvous) -> str:
     """The job's torchrun agents, by their whole command line: on the launching machine the ssh
     clients (and pdsh) that started them carry the same words inside their remote command."""
-    return shlex.quote(
-        rf"^[^ ]+ -m torch[.]distributed[.]run .*--rdzv-id {literal_pattern(rdzv.run_id)}( |$)"
+    return rf"^[^ ]+ -m torch[.]distributed[.]run .*--rdzv-id {literal_pattern(rdzv.run_id)}( |$)"
+
+
+def tether(request: LaunchRequest, node: Node, rdzv: Rendezvous) -> LaunchCommand:
+    """A second connection to ``node`` that carries a heartbeat from ``sail launch``: should it
+    stop for ``--heartbeat-timeout`` seconds (the launching host was lost, or the network to it
+    cut) or end without sail saying the job is done, the node ends its part of the job by itself."""
+    timeout = request.ssh.heartbeat_timeout
+    remote = [sys.executable, "-I", LIFELINE, "tether", agent_regex(rdzv), str(timeout)]
+    return LaunchCommand(
+        host=node.host,
+        argv=request.ssh.command(node.host, shlex.join(remote), keepalive=True),
+        heartbeat_timeout=timeout,
     )
 
 

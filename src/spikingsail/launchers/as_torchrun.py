@@ -36,7 +36,17 @@ def torchrun_variables() -> dict[str, str]:
     }
     if info.master_addr and info.master_port is not None:
         variables |= {"MASTER_ADDR": info.master_addr, "MASTER_PORT": str(info.master_port)}
+    if info.local_rank > 0 and _one_gpu_visible():
+        # One GPU bound to this task (srun --gpus-per-task=1): it is device 0 here, and a script's
+        # torch.cuda.set_device(LOCAL_RANK) would ask for a GPU it cannot see.
+        variables["LOCAL_RANK"] = "0"
     return variables
+
+
+def _one_gpu_visible() -> bool:
+    import torch  # only here: the shim starts scripts that may never touch CUDA
+
+    return torch.cuda.is_available() and torch.cuda.device_count() == 1
 
 
 def main() -> None:

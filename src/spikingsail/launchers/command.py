@@ -53,6 +53,14 @@ class LaunchCommand:
     mpirun), so the signal is sent to it."""
     stand_ins: dict[str, str] = field(default_factory=dict)
     """Signals the command would ignore, by name, and the one sent to it in their place."""
+    heartbeat_timeout: float | None = None
+    """Set for a heartbeat command (``agents.tether``): it reads a line a second on its standard
+    input and ``done`` once every other command of the job has ended, and its ssh gives the host up
+    after this many seconds without an answer. Signals are not passed on to it."""
+
+    @property
+    def heartbeat(self) -> bool:
+        return self.heartbeat_timeout is not None
 
     def render(self) -> str:
         """The command as ``--dry-run`` prints it; values of credential-like names are masked."""

@@ -80,6 +80,8 @@ class Failure:
     host: str
     exit_code: int
     tail: list[str]
+    lost: float | None = None
+    """The node stopped answering the heartbeat connection for this many seconds."""
 
     @property
     def reported(self) -> str | None:
@@ -89,6 +91,12 @@ class Failure:
     def describe(self) -> str:
         """Which node and rank failed, as the launcher that saw it reports it, and then the rank's
         own message when it stopped on one of SpikingSail's errors, else the last lines printed."""
+        if self.lost is not None:
+            return (
+                f"lost node {self.host}: no answer for {self.lost:.0f} s on the heartbeat connection (the node "
+                "down, or the network to it cut); the job was stopped, and the node ends its part by itself "
+                "when the heartbeat stops reaching it"
+            )
         who, lines = self._who("\n".join(self.tail))
         reported = reported_error(lines)
         if reported is not None:

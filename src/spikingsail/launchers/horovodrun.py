@@ -29,9 +29,10 @@ import sys
 import uuid
 
 from spikingsail.errors import LaunchError
-from spikingsail.launchers.agents import AGENT_GRACE_SECONDS, literal_pattern, top_processes_signal
+from spikingsail.launchers.agents import literal_pattern, top_processes_signal
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.hostfile import is_this_machine
+from spikingsail.launchers.lifeline import AGENT_GRACE_SECONDS
 from spikingsail.launchers.remote_env import launcher_env, looks_secret, remote_env
 from spikingsail.launchers.request import LaunchRequest, SSHOptions, require_first_slots
 

@@ -12,11 +12,16 @@ cannot be caught, so:
   ends closes its connection, and the remote agent, on a terminal of its own (``ssh -tt``), gets a
   hang-up and stops its workers; mpirun and srun end their ranks. Then the commands' cleanups run
   (horovodrun's: its remote ranks, started by ssh without a terminal, get no hang-up).
+- a lost launching host (or a cut network) sends nothing at all: every node of an ssh or pdsh job
+  runs a ``tether`` over a connection of its own, which reads a heartbeat from sail and ends the
+  node's torchrun agents when none came for the heartbeat timeout, or when the connection ended
+  without sail saying the job is done.
 
 Linux only; elsewhere the children are started as before.
 
     python -I lifeline.py      (the watchdog: pids and "cleanup [ARGV, ENV]" JSON lines on stdin,
                                 then "done"; standard library only)
+    python -I lifeline.py tether AGENT_REGEX TIMEOUT      (on a node: heartbeats, then "done")
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ import contextlib
 import ctypes
 import json
 import os
+import re
+import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+LIFELINE = str(Path(__file__).resolve())
 
 
 def die_with_this_process(signum: int = signal.SIGTERM) -> Callable[[], None] | None:
@@ -111,18 +120,23 @@ def start_time(pid: int) -> str | None:
         return None
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        # /proc/PID/stat: "pid (comm) state ppid ..."; comm may contain spaces and parentheses.
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def descendants(root: int) -> list[int]:
     """Every process below ``root``, by parent pid (``/proc``)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            # /proc/PID/stat: "pid (comm) state ppid ..."; comm may contain spaces and parentheses.
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
+        ppid = _parent(int(entry.name))
+        if ppid is not None:
+            children.setdefault(ppid, []).append(int(entry.name))
     found: list[int] = []
     stack = [root]
     while stack:
@@ -168,7 +182,20 @@ CLEANUP_SECONDS = 60.0
 
 
 def _alive(targets: dict[int, str | None]) -> dict[int, str | None]:
-    return {pid: when for pid, when in targets.items() if when is not None and start_time(pid) == when}
+    """Those still running: the same start time, and not a zombie (a worker whose agent, stuck on
+    an unreachable store, has not reaped it yet)."""
+    return {
+        pid: when
+        for pid, when in targets.items()
+        if when is not None and start_time(pid) == when and _state(pid) not in ("Z", "X", None)
+    }
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _signal(targets: dict[int, str | None], signum: int) -> None:
@@ -177,5 +204,75 @@ def _signal(targets: dict[int, str | None], signum: int) -> None:
             os.kill(pid, signum)
 
 
+# How long a node's torchrun agents have, after their connection was cut or a tether or cleanup
+# sent them SIGTERM, to stop their workers before they are killed.
+AGENT_GRACE_SECONDS = 15
+
+
+def _tether(agent_regex: str, timeout: float) -> int:
+    """Read heartbeats; on ``done`` return 0. When none came for ``timeout`` seconds, or the
+    connection ended without ``done``, end this node's part of the job: SIGTERM to the job's
+    torchrun agents (found by ``agent_regex`` on their command line, in this network namespace)
+    and to their workers; once the workers ended (at most ``AGENT_GRACE_SECONDS``), SIGKILL to
+    what is left of the agents' trees."""
+    last = time.monotonic()
+    said = b""
+    while True:
+        ready, _, _ = select.select([sys.stdin.fileno()], [], [], 0.5)
+        if ready:
+            chunk = os.read(sys.stdin.fileno(), 4096)
+            if not chunk:
+                why = "the connection to sail launch ended"
+                break
+            said = (said + chunk)[-16:]
+            if b"done" in said:
+                return 0
+            last = time.monotonic()
+        elif time.monotonic() - last > timeout:
+            why = (
+                f"no heartbeat from sail launch for {timeout:.0f} s (its host lost, or the network to it cut)"
+            )
+            break
+    agents = _agents(re.compile(agent_regex))
+    host = socket.gethostname()
+    print(
+        f"sail tether on {host}: {why}; ending the job's torchrun agents here: {sorted(agents)}", flush=True
+    )
+    targets = {pid: start_time(pid) for root in agents for pid in [root, *descendants(root)]}
+    # The agents and their workers at once: an agent told alone stops its workers only after it
+    # said goodbye to the rendezvous store, which on the lost host does not answer.
+    workers = {pid: targets[pid] for pid in targets if _parent(pid) in agents}
+    _signal({pid: targets[pid] for pid in [*agents, *workers]}, signal.SIGTERM)
+    deadline = time.monotonic() + AGENT_GRACE_SECONDS
+    while time.monotonic() < deadline and _alive(workers):
+        time.sleep(0.1)
+    # the workers are done (or out of time): what is left, an agent waiting on the store, is killed
+    settle = min(deadline, time.monotonic() + 1.0)
+    while time.monotonic() < settle and _alive(targets):
+        time.sleep(0.1)
+    _signal(targets, signal.SIGKILL)
+    return 1
+
+
+def _agents(pattern: re.Pattern[str]) -> list[int]:
+    """The processes in this network namespace whose command line matches ``pattern``."""
+    here = os.readlink("/proc/self/ns/net")
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            line = (
+                (entry / "cmdline").read_bytes().rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+            )
+            if pattern.search(line) and os.readlink(entry / "ns" / "net") == here:
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["tether"]:
+        sys.exit(_tether(sys.argv[2], float(sys.argv[3])))
     _watch()

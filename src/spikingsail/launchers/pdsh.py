@@ -26,6 +26,7 @@ from spikingsail.launchers.agents import (
     leftover_cleanup,
     node_env,
     signal_relay,
+    tether,
 )
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.remote_env import EnvFile, remote_env
@@ -69,4 +70,4 @@ class PdshLauncher:
                     relay=["pdsh", "-f", "1024", "-w", hosts, signal_relay(rdzv)],
                 )
             )
-        return commands
+        return [*commands, *(tether(request, node, rdzv) for node in request.nodes)]

@@ -34,7 +34,8 @@ from spikingsail.launchers.remote_env import explicit_env
 _OWN_FLAGS = {
     "-n": 1, "--dry-run": 0, "-H": 1, "--hostfile": 1, "-np": 1, "--include": 1, "--exclude": 1,
     "--num_nodes": 1, "--num-nodes": 1, "--num_gpus": 1, "--num-gpus": 1, "--launcher": 1,
-    "--ssh-port": 1, "--ssh-user": 1, "--ssh-config": 1, "--connect-timeout": 1, "--env": 1,
+    "--ssh-port": 1, "--ssh-user": 1, "--ssh-config": 1, "--connect-timeout": 1, "--heartbeat-timeout": 1,
+    "--env": 1,
     "--launcher-args": 1, "--launcher_args": 1, "--dist-init-method": 1, "--dist_init_method": 1,
 }  # fmt: skip
 # torchrun flags a multi-node launcher sets itself for every node.
@@ -56,6 +57,9 @@ class SSHOptions:
     user: str | None = None
     config: str | None = None
     connect_timeout: int = 10
+    heartbeat_timeout: int = 30
+    """Seconds without a heartbeat after which a node ends its part of the job, and ``sail launch``
+    gives the node up (ssh's ServerAlive checks)."""
 
     def args(self) -> list[str]:
         """ssh client options: never a password prompt, never an unbounded connect."""
@@ -68,10 +72,15 @@ class SSHOptions:
             out += ["-l", self.user]
         return out
 
-    def command(self, host: str, remote: str, *, tty: bool = False) -> list[str]:
+    def command(self, host: str, remote: str, *, tty: bool = False, keepalive: bool = False) -> list[str]:
         """``ssh [-tt] OPTIONS -- HOST REMOTE``: after ``--`` ssh reads no option, so no host name
-        can become one (``-oProxyCommand=...`` would run a command here)."""
-        return ["ssh", *(["-tt"] if tty else []), *self.args(), "--", host, remote]
+        can become one (``-oProxyCommand=...`` would run a command here). ``keepalive``: the client
+        gives the host up after ``heartbeat_timeout`` seconds without an answer."""
+        alive = []
+        if keepalive:
+            interval = max(1, self.heartbeat_timeout // 3)
+            alive = ["-o", f"ServerAliveInterval={interval}", "-o", "ServerAliveCountMax=3"]
+        return ["ssh", *(["-tt"] if tty else []), *alive, *self.args(), "--", host, remote]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -138,6 +147,13 @@ def parser() -> argparse.ArgumentParser:
     own.add_argument("--ssh-user", help="remote user name")
     own.add_argument("--ssh-config", help="ssh client config file (ssh -F)")
     own.add_argument("--connect-timeout", type=int, default=10, help="seconds to reach a host before failing")
+    own.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=30,
+        help="seconds without a heartbeat from sail launch after which a node ends its part of the job "
+        "(ssh, pdsh); also how long sail waits for a silent node (default 30)",
+    )
     own.add_argument(
         "--env",
         action="append",
@@ -216,7 +232,11 @@ def parse_request(argv: list[str]) -> LaunchRequest:
         rdzv_id=None if ns.rdzv_id == "none" else ns.rdzv_id,
         master_port=int(ns.master_port or 29500),
         ssh=SSHOptions(
-            port=ns.ssh_port, user=ns.ssh_user, config=ns.ssh_config, connect_timeout=ns.connect_timeout
+            port=ns.ssh_port,
+            user=ns.ssh_user,
+            config=ns.ssh_config,
+            connect_timeout=ns.connect_timeout,
+            heartbeat_timeout=_heartbeat_timeout(ns.heartbeat_timeout),
         ),
         env=explicit_env(ns.env),
         launcher_args=shlex.split(ns.launcher_args),
@@ -225,6 +245,16 @@ def parse_request(argv: list[str]) -> LaunchRequest:
         explicit_master_port=_flag_name_in(argv[:split], ("--master-port", "--master_port")),
         dry_run=ns.dry_run,
     )
+
+
+def _heartbeat_timeout(seconds: int) -> int:
+    if seconds < 3:
+        raise LaunchError(
+            f"--heartbeat-timeout {seconds}",
+            "a heartbeat goes every second; under 3 s a busy moment on a node would end the job",
+            "give 3 seconds or more (the default is 30)",
+        )
+    return seconds
 
 
 def _check_script(ns: argparse.Namespace) -> None:

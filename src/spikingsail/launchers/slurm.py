@@ -51,13 +51,31 @@ class Allocation:
             raise LaunchError(
                 f"SLURM allocation {env.get('SLURM_JOB_ID')} has no readable node list ({nodelist!r})"
             )
-        gpus = env.get("SLURM_GPUS_PER_TASK") or env.get("SLURM_GPUS_ON_NODE")
         return cls(
             job_id=env["SLURM_JOB_ID"],
             nodes=int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or len(hosts)),
             first_host=str(hosts[0]),
-            gpus_per_node=int(gpus) if gpus and re.fullmatch(r"[0-9]{1,6}", gpus) else None,
+            gpus_per_node=_gpus_per_node(env),
         )
+
+
+def _gpus_per_node(env: Mapping[str, str]) -> int | None:
+    """The GPUs of one node of the allocation: SLURM_GPUS_ON_NODE; else GPUs per task × tasks per
+    node (``--ntasks-per-node=4 --gpus-per-task=1`` is four GPUs a node, not one); else
+    ``--gpus-per-node`` (``4`` or ``a100:4``)."""
+    on_node = _count(env.get("SLURM_GPUS_ON_NODE"))
+    per_task, tasks = _count(env.get("SLURM_GPUS_PER_TASK")), _count(env.get("SLURM_NTASKS_PER_NODE"))
+    if on_node:
+        return on_node
+    if per_task:
+        return per_task * (tasks or 1)
+    return _count(env.get("SLURM_GPUS_PER_NODE"))
+
+
+def _count(value: str | None) -> int | None:
+    """A count as Slurm writes it, with an optional GPU type (``a100:4``)."""
+    found = re.fullmatch(r"(?:[A-Za-z0-9_.-]+:)?([0-9]{1,6})", value or "")
+    return int(found[1]) if found else None
 
 
 def torchrun_step(request: LaunchRequest, nnodes: str, nproc: str, endpoint: str, run_id: str) -> list[str]:

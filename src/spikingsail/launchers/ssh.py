@@ -22,6 +22,7 @@ from spikingsail.launchers.agents import (
     leftover_cleanup,
     node_env,
     signal_relay,
+    tether,
 )
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.remote_env import EnvFile, remote_env
@@ -53,4 +54,4 @@ class SSHLauncher:
                     relay=request.ssh.command(node.host, signal_relay(rdzv)),
                 )
             )
-        return commands
+        return [*commands, *(tether(request, node, rdzv) for node in request.nodes)]

@@ -26,10 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 
-from spikingsail.launchers.agents import AGENT_GRACE_SECONDS
 from spikingsail.launchers.command import FORWARDED, LaunchCommand, Upload
 from spikingsail.launchers.failure import Failure
-from spikingsail.launchers.lifeline import Watchdog, descendants
+from spikingsail.launchers.lifeline import AGENT_GRACE_SECONDS, Watchdog, descendants
 
 TAIL_LINES = 400
 TIMED_OUT = 124
@@ -39,6 +38,8 @@ _CLEANUP_SECONDS = AGENT_GRACE_SECONDS + 45.0
 # torchrun's agent gives its workers 30 s to stop on a signal before it kills them.
 DRAIN_SECONDS = 45.0
 _UPLOAD_SECONDS = 60.0
+HEARTBEAT_SECONDS = 1.0
+_SSH_FAILED = 255  # ssh's own exit status: the connection failed (ServerAlive checks unanswered)
 
 
 @dataclass(slots=True)
@@ -100,9 +101,11 @@ def _run(
     relays = [threading.Thread(target=_relay, args=(r, output), daemon=True) for r in running]
     for relay in relays:
         relay.start()
+    heartbeat = _Heartbeat([r for r in running if r.command.heartbeat])
     try:
-        failure = _wait(running, received, None if timeout is None else time.monotonic() + timeout)
+        failure = _wait(running, received, None if timeout is None else time.monotonic() + timeout, heartbeat)
     finally:
+        heartbeat.stop()
         stopped = _stop_all(running)
         for relay in relays:
             relay.join(timeout=5)
@@ -146,7 +149,7 @@ def _start(command: LaunchCommand) -> Running:
     process = subprocess.Popen(
         command.argv,
         env=_environment(command),
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.PIPE if command.heartbeat else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # signals reach the children only through this supervisor
@@ -179,7 +182,45 @@ def _exit_status(reported: dict[str, str | None]) -> int:
     return 1
 
 
-def _wait(running: list[Running], received: list[int], deadline: float | None) -> Failure | None:
+class _Heartbeat:
+    """A line a second to each heartbeat command (``LaunchCommand.heartbeat``), from a thread of
+    its own; ``done`` ends them once the job's other commands have ended."""
+
+    def __init__(self, tethers: list[Running]) -> None:
+        self._tethers = tethers
+        self._lock = threading.Lock()
+        self._over = threading.Event()
+        if tethers:
+            threading.Thread(target=self._beat, daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._over.wait(HEARTBEAT_SECONDS):
+            self._send(b".\n", close=False)
+
+    def release(self) -> None:
+        """The job's commands have ended: the tethers may end too."""
+        if not self._over.is_set():
+            self._over.set()
+            self._send(b"done\n", close=True)
+
+    def stop(self) -> None:
+        self._over.set()
+
+    def _send(self, line: bytes, *, close: bool) -> None:
+        with self._lock:
+            for run in self._tethers:
+                if run.process.stdin is None or run.process.stdin.closed:
+                    continue
+                with contextlib.suppress(OSError):  # an ended tether: its exit status tells
+                    run.process.stdin.write(line)
+                    run.process.stdin.flush()
+                    if close:
+                        run.process.stdin.close()
+
+
+def _wait(
+    running: list[Running], received: list[int], deadline: float | None, heartbeat: _Heartbeat
+) -> Failure | None:
     """Until every command is done, one fails, the deadline passes, or a signal's drain ends."""
     forwarded = 0
     drain_until: float | None = None
@@ -189,6 +230,8 @@ def _wait(running: list[Running], received: list[int], deadline: float | None) -
                 return None
             _forward(running, received[0])
             forwarded, drain_until = 1, time.monotonic() + DRAIN_SECONDS
+        if all(r.process.poll() is not None for r in running if not r.command.heartbeat):
+            heartbeat.release()
         states = [(r, r.process.poll()) for r in running]
         if all(code is not None for _, code in states) and (forwarded or all(c == 0 for _, c in states)):
             return None
@@ -207,7 +250,8 @@ def _first_failure(states: list[tuple[Running, int | None]]) -> Failure | None:
     for run, code in states:
         if code not in (None, 0):
             time.sleep(0.3)  # let the relay catch the last lines
-            return Failure(host=run.command.host, exit_code=code, tail=list(run.tail))
+            lost = run.command.heartbeat_timeout if run.command.heartbeat and code == _SSH_FAILED else None
+            return Failure(host=run.command.host, exit_code=code, tail=list(run.tail), lost=lost)
         if run.failed_node is not None:
             host, node_code = run.failed_node
             time.sleep(0.3)
@@ -219,7 +263,7 @@ def _forward(running: list[Running], signum: int) -> None:
     """Pass a signal on to every command still running: through its relay, or to it directly."""
     name = signal.Signals(signum).name.removeprefix("SIG")
     for run in running:
-        if run.process.poll() is not None:
+        if run.process.poll() is not None or run.command.heartbeat:
             continue
         if run.command.relay is None:
             stand_in = run.command.stand_ins.get(f"SIG{name}", f"SIG{name}")

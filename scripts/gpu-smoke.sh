@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The GPU checks, in a few minutes, on a machine with one or more NVIDIA GPUs: the main job on nccl,
+# the main job under every backend, resume, the requires_cuda tests and the communication bench.
+# Prints a pass/fail table; the exit status is the number of failed rows. Logs: $SMOKE_DIR.
+#
+#   bash scripts/gpu-smoke.sh                  (after scripts/setup.sh --backends)
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+python=${PYTHON:-$root/.venv/bin/python}
+sail=(env DS_ACCELERATOR=cuda "$python" -m spikingsail.cli.main)
+logs=${SMOKE_DIR:-$(mktemp -d -t sail-gpu-smoke-XXXX)}
+mkdir -p "$logs"
+
+gpus=$("$python" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
+if [ "$gpus" -lt 1 ]; then
+  echo "gpu-smoke: torch sees no CUDA GPU here (torch.cuda.is_available() is False); nothing to check" >&2
+  exit 1
+fi
+nproc=$(( gpus < 2 ? gpus : 2 ))
+echo "gpu-smoke: $gpus GPU(s) ($("$python" -c 'import torch; print(torch.cuda.get_device_name(0))')), $nproc process(es) per job, logs in $logs"
+
+rows=()
+failed=0
+row() {  # row NAME SECONDS STATUS
+  rows+=("$(printf '%-44s %-5s %6ss' "$1" "$3" "$2")")
+  [ "$3" = PASS ] || failed=$((failed + 1))
+}
+check() {  # check NAME EXPECTED-OUTPUT-REGEX COMMAND...: passes when it exits 0 and prints the match
+  local name=$1 expect=$2 log="$logs/$(echo "$1" | tr -c 'a-zA-Z0-9' _).log" start
+  shift 2
+  start=$(date +%s)
+  if "$@" >"$log" 2>&1 && grep -Eq "$expect" "$log"; then status=PASS; else status=FAIL; fi
+  row "$name" "$(( $(date +%s) - start ))" "$status"
+  [ "$status" = PASS ] || echo "  $name failed: see $log" >&2
+}
+config() {  # config BACKEND EXTRA-JSON: the main job's config for one backend, on stdout as a path
+  local path="$logs/$1$(echo "$2" | tr -c 'a-z0-9' _).json"
+  "$python" - "$1" "$2" "$path" <<'EOF'
+import json, sys
+backend, extra, path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+config = json.load(open("examples/configs/digits.json"))
+config["sail"]["backend"] = backend
+config["sail"].pop("metrics_path", None)
+config.update(extra)
+json.dump(config, open(path, "w"))
+EOF
+  echo "$path"
+}
+
+accuracy='test accuracy: 0\.9[5-9]|test accuracy: 1\.0'
+check "main job, ddp on nccl" "$accuracy" "${sail[@]}" launch -n "$nproc" examples/train_digits.py
+check "main job, ddp + ZeRO-1" "$accuracy" \
+  "${sail[@]}" launch -n "$nproc" examples/train_digits.py --sail-config "$(config ddp '{"zero_optimization": {"stage": 1}}')"
+check "main job, fsdp" "$accuracy" \
+  "${sail[@]}" launch -n "$nproc" examples/train_digits.py --sail-config "$(config fsdp '{}')"
+check "main job, deepspeed ZeRO-2 (bf16 or fp16)" "$accuracy" \
+  "${sail[@]}" launch -n "$nproc" examples/train_digits.py --sail-config "$(config deepspeed \
+  "$("$python" -c 'import torch; print("{\"zero_optimization\": {\"stage\": 2}, \"" + ("bf16" if torch.cuda.get_device_capability(0)[0] >= 8 else "fp16") + "\": {\"enabled\": true}}")')")"
+if "$python" -c 'import horovod.torch' 2>/dev/null; then
+  check "main job, horovod" "$accuracy" \
+    "${sail[@]}" launch -n "$nproc" examples/train_digits.py --sail-config "$(config horovod '{}')"
+else
+  row "main job, horovod (not installed)" 0 SKIP
+fi
+check "spiking main job (snn_digits)" 'test accuracy' "${sail[@]}" launch -n "$nproc" examples/snn_digits.py
+checkpoints="$logs/checkpoints"
+saving=$(config ddp '{"checkpoint": {"interval_steps": 20}}')
+check "save every 20 steps, then --resume" "$accuracy" bash -c "
+  ${sail[*]} launch -n $nproc examples/train_digits.py --epochs 3 --sail-config $saving --checkpoints-path $checkpoints &&
+  ls $checkpoints/latest &&
+  ${sail[*]} launch -n $nproc examples/train_digits.py --sail-config $saving --resume --checkpoints-path $checkpoints"
+check "requires_cuda tests" ' passed' env DS_ACCELERATOR=cuda "$python" -m pytest -q -m requires_cuda tests/gpu
+check "sail bench comm (nccl)" 'all-reduce|all_reduce' "${sail[@]}" bench comm -n "$nproc"
+
+echo
+printf '%-44s %-5s %7s\n' check result time
+for r in "${rows[@]}"; do echo "$r"; done
+echo "failed: $failed (logs in $logs)"
+exit "$failed"

@@ -154,16 +154,29 @@ def test_every_signal_to_the_launcher_reaches_both_nodes_and_leaves_nothing(
     assert_no_job_left(cluster)
 
 
+def start_horovodrun(cluster: NamespaceCluster, tmp_path: Path, flags: list[str]) -> subprocess.Popen[str]:
+    # horovodrun's ssh takes no -F: node1's own ssh_config is the cluster's, as ~/.ssh/config would be
+    argv = [
+        *SAIL,
+        "--launcher",
+        "horovodrun",
+        "-H",
+        "node1:1,node2:1",
+        *flags,
+        str(JOB),
+        str(tmp_path / "out"),
+    ]
+    log = (tmp_path / "launch.log").open("w")
+    prelude = f"mount --bind {cluster.ssh_config} /etc/ssh/ssh_config"
+    return subprocess.Popen(cluster.node_argv("node1", argv, prelude=prelude), cwd=tmp_path,
+                            env=cluster.slurm_env(), stdout=log, stderr=log, text=True)  # fmt: skip
+
+
 @pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: s.name)
 def test_every_signal_to_horovodrun_reaches_the_ranks_on_both_nodes_and_leaves_nothing(
     cluster: NamespaceCluster, tmp_path: Path, signum: signal.Signals
 ) -> None:
-    # horovodrun's ssh takes no -F: node1's own ssh_config is the cluster's, as ~/.ssh/config would be
-    argv = [*SAIL, "--launcher", "horovodrun", "-H", "node1:1,node2:1", str(JOB), str(tmp_path / "out")]
-    log = (tmp_path / "launch.log").open("w")
-    prelude = f"mount --bind {cluster.ssh_config} /etc/ssh/ssh_config"
-    process = subprocess.Popen(cluster.node_argv("node1", argv, prelude=prelude), cwd=tmp_path,
-                               env=cluster.slurm_env(), stdout=log, stderr=log, text=True)  # fmt: skip
+    process = start_horovodrun(cluster, tmp_path, [])
     try:
         signal_the_launcher(process, tmp_path, signum)
     finally:
@@ -213,13 +226,21 @@ def test_a_second_launch_onto_a_live_jobs_rendezvous_port_is_refused_naming_it(
     assert_no_job_left(cluster)
 
 
-@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh", "mpirun", "horovodrun"])
 def test_a_network_cut_from_the_launching_host_ends_the_other_nodes_part_within_the_bound(
     cluster: NamespaceCluster, tmp_path: Path, launcher: str
 ) -> None:
     timeout = 3
-    process = start(cluster, tmp_path, ["--launcher", launcher, "--heartbeat-timeout", str(timeout)], [],
-                    cluster.slurm_env())  # fmt: skip
+    flags = ["--launcher", launcher, "--heartbeat-timeout", str(timeout)]
+    if launcher == "horovodrun":
+        process = start_horovodrun(cluster, tmp_path, flags)
+    else:
+        if launcher == "mpirun":  # the namespaces' only link (Open MPI tries every interface otherwise)
+            flags += [
+                "--launcher-args",
+                "--mca btl_tcp_if_include 10.99.0.0/24 --mca oob_tcp_if_include 10.99.0.0/24",
+            ]
+        process = start(cluster, tmp_path, flags, [], cluster.slurm_env())
     try:
         wait_for(lambda: started(tmp_path), 90, lambda: (tmp_path / "launch.log").read_text()[-3000:])
         node2 = set(cluster.pids("node2"))

@@ -4,6 +4,7 @@ stops, or its connection ends without ``done``; a real torchrun agent and worker
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -13,8 +14,8 @@ import pytest
 
 from spikingsail.errors import LaunchError
 from spikingsail.launchers import plan
-from spikingsail.launchers.agents import Rendezvous, agent_regex
-from spikingsail.launchers.lifeline import AGENT_GRACE_SECONDS, LIFELINE
+from spikingsail.launchers.agents import Rendezvous, agent_regex, rank_regex
+from spikingsail.launchers.lifeline import AGENT_GRACE_SECONDS, LIFELINE, TETHER_READY
 from spikingsail.launchers.request import parse_request
 
 pytestmark = pytest.mark.multiprocess
@@ -61,7 +62,8 @@ def test_silence_ends_the_nodes_agent_and_worker_and_done_leaves_them(tmp_path: 
     try:
         beat([quiet, finished], 4)  # longer than the timeout: the heartbeat keeps the job alive
         assert ours.poll() is None and quiet.poll() is None
-        assert finished.communicate(b"done\n", timeout=10)[0] == b"" and finished.returncode == 0
+        said = finished.communicate(b"done\n", timeout=10)[0].decode()
+        assert said == f"{TETHER_READY}\n" and finished.returncode == 0  # nothing ended
         silent = time.monotonic()
         assert quiet.wait(timeout=3 + AGENT_GRACE_SECONDS + 10) == 1  # its standard input still open
         assert quiet.stdout is not None
@@ -123,3 +125,17 @@ def test_the_tether_is_standard_library_only() -> None:
     source = Path(LIFELINE).read_text()
     assert "import torch" not in source and "spikingsail" not in source.split('"""', 2)[2].split("def ")[0]
     assert os.path.isabs(LIFELINE)
+
+
+def test_mpirun_and_horovodrun_ranks_carry_the_jobs_mark_and_only_other_hosts_get_a_tether(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").touch()
+    for launcher in ("mpirun", "horovodrun"):
+        commands = plan(parse_request(["-H", "localhost:1,node2:1", "--launcher", launcher, "--rdzv-id", "job7",
+                                       "train.py"]))  # fmt: skip
+        job, *tethers = commands
+        assert job.argv[job.argv.index(sys.executable, 1) + 1 :][:2] == ["-X", "sail-run=job7"]
+        assert [t.host for t in tethers] == ["node2"] and all(t.heartbeat for t in tethers)
+        assert shlex.split(tethers[0].argv[-1])[3:5] == ["tether", rank_regex("job7")]

@@ -98,17 +98,34 @@ def agent_regex(rdzv: Rendezvous) -> str:
     return rf"^[^ ]+ -m torch[.]distributed[.]run .*--rdzv-id {literal_pattern(rdzv.run_id)}( |$)"
 
 
-def tether(request: LaunchRequest, node: Node, rdzv: Rendezvous) -> LaunchCommand:
-    """A second connection to ``node`` that carries a heartbeat from ``sail launch``: should it
+def tether(request: LaunchRequest, host: str, job_regex: str) -> LaunchCommand:
+    """A second connection to ``host`` that carries a heartbeat from ``sail launch``: should it
     stop for ``--heartbeat-timeout`` seconds (the launching host was lost, or the network to it
-    cut) or end without sail saying the job is done, the node ends its part of the job by itself."""
+    cut) or end without sail saying the job is done, the host ends its part of the job by itself:
+    the processes whose command line matches ``job_regex`` (the torchrun agents of ssh and pdsh
+    jobs, ``agent_regex``; the ranks of mpirun and horovodrun jobs, ``rank_regex``)."""
     timeout = request.ssh.heartbeat_timeout
-    remote = [sys.executable, "-I", LIFELINE, "tether", agent_regex(rdzv), str(timeout)]
+    remote = [sys.executable, "-I", LIFELINE, "tether", job_regex, str(timeout)]
     return LaunchCommand(
-        host=node.host,
-        argv=request.ssh.command(node.host, shlex.join(remote), keepalive=True),
+        host=host,
+        argv=request.ssh.command(host, shlex.join(remote), keepalive=True),
         heartbeat_timeout=timeout,
     )
+
+
+RANK_MARK = "sail-run="
+
+
+def rank_mark(run_id: str) -> list[str]:
+    """Python options that mark every rank of a job on its command line: ``-X sail-run=RUN_ID``
+    (an option Python keeps in ``sys._xoptions`` and otherwise ignores). Launchers without a
+    torchrun agent (mpirun, horovodrun) find the job's ranks on a host by it."""
+    return ["-X", RANK_MARK + run_id]
+
+
+def rank_regex(run_id: str) -> str:
+    """The ranks marked by ``rank_mark(run_id)`` (and their forked children, which share the line)."""
+    return rf"^[^ ]+ -X {literal_pattern(RANK_MARK + run_id)}( |$)"
 
 
 def literal_pattern(text: str) -> str:

@@ -20,10 +20,11 @@ from spikingsail.errors import SailError
 from spikingsail.launchers.request import LaunchRequest
 
 
-def shimmed(request: LaunchRequest) -> list[str]:
+def shimmed(request: LaunchRequest, python_options: list[str] | None = None) -> list[str]:
     """The argv that runs the request's script (or module) through this shim, with the launching Python."""
     module = ["-m"] if request.runs_module else []
-    return [sys.executable, "-u", "-m", __name__, *module, request.script, *request.script_args]
+    options = python_options or []
+    return [sys.executable, *options, "-u", "-m", __name__, *module, request.script, *request.script_args]
 
 
 def torchrun_variables() -> dict[str, str]:

@@ -29,7 +29,7 @@ import sys
 import uuid
 
 from spikingsail.errors import LaunchError
-from spikingsail.launchers.agents import literal_pattern, top_processes_signal
+from spikingsail.launchers.agents import rank_mark, rank_regex, tether, top_processes_signal
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.hostfile import is_this_machine
 from spikingsail.launchers.lifeline import AGENT_GRACE_SECONDS
@@ -88,21 +88,22 @@ class HorovodrunLauncher:
         if program[0] != sys.executable:  # --no-python: the ranks carry no mark to be found by
             relay, cleanup = None, None
         else:
-            pattern = shlex.quote(rf"^[^ ]+ -X {literal_pattern(_MARK + run_id)}( |$)")
+            pattern = shlex.quote(rank_regex(run_id))
             relay = ["sh", "-c", _on_every_host(hosts, top_processes_signal(pattern), request.ssh, '"$0"')]
             cleanup = ["sh", "-c", _on_every_host(hosts, _leftover_ranks(pattern), request.ssh, "TERM")]
-        return [
-            LaunchCommand(host=",".join(hosts), argv=argv, env=env, clean_env=True, relay=relay, cleanup=cleanup,
-                          stand_ins=_STAND_INS if relay is None else {})
-        ]  # fmt: skip
+        command = LaunchCommand(host=",".join(hosts), argv=argv, env=env, clean_env=True, relay=relay,
+                                cleanup=cleanup, stand_ins=_STAND_INS if relay is None else {})  # fmt: skip
+        if relay is None:
+            return [command]
+        # horovodrun's ssh clients have no terminal: a lost launching host would leave the ranks running
+        return [command, *(tether(request, host, rank_regex(run_id)) for host in remote_hosts(hosts))]
 
 
-# Every rank's Python runs with ``-X sail-run=RUN_ID`` (an -X option Python keeps in
-# sys._xoptions and otherwise ignores): the job's ranks are found by it on every host, to pass a
-# signal on to them (horovodrun handles only SIGINT and SIGTERM, and only by stopping every rank
-# with SIGTERM) and to end what is left on a remote host after horovodrun was stopped (its ssh
-# clients have no terminal, so a remote rank gets no hang-up).
-_MARK = "sail-run="
+# Every rank's Python runs with ``-X sail-run=RUN_ID`` (``agents.rank_mark``): the job's ranks are
+# found by it on every host, to pass a signal on to them (horovodrun handles only SIGINT and SIGTERM,
+# and only by stopping every rank with SIGTERM), to end what is left on a remote host after
+# horovodrun was stopped (its ssh clients have no terminal, so a remote rank gets no hang-up), and by
+# each host's tether.
 # With --no-python there is no mark: signals go to horovodrun, which stops every rank with SIGTERM.
 _STAND_INS = {"SIGHUP": "SIGTERM", "SIGQUIT": "SIGTERM", "SIGUSR1": "SIGTERM"}
 
@@ -112,7 +113,7 @@ def _program(request: LaunchRequest, run_id: str) -> list[str]:
     flags = {arg.split("=", 1)[0] for arg in request.torchrun_args}
     if flags & set(_NO_PYTHON_FLAGS):
         return [request.script, *request.script_args]
-    python = [sys.executable, "-X", _MARK + run_id]
+    python = [sys.executable, *rank_mark(run_id)]
     if request.runs_module:
         return [*python, "-m", request.script, *request.script_args]
     return [*python, request.script, *request.script_args]

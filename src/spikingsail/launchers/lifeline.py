@@ -21,7 +21,7 @@ Linux only; elsewhere the children are started as before.
 
     python -I lifeline.py      (the watchdog: pids and "cleanup [ARGV, ENV]" JSON lines on stdin,
                                 then "done"; standard library only)
-    python -I lifeline.py tether AGENT_REGEX TIMEOUT      (on a node: heartbeats, then "done")
+    python -I lifeline.py tether JOB_REGEX TIMEOUT      (on a node: heartbeats, then "done")
 """
 
 from __future__ import annotations
@@ -204,17 +204,20 @@ def _signal(targets: dict[int, str | None], signum: int) -> None:
             os.kill(pid, signum)
 
 
+# The tether's first line: sail knows the connection stands (a later ssh failure is a lost node).
+TETHER_READY = "sail tether: watching"
 # How long a node's torchrun agents have, after their connection was cut or a tether or cleanup
 # sent them SIGTERM, to stop their workers before they are killed.
 AGENT_GRACE_SECONDS = 15
 
 
-def _tether(agent_regex: str, timeout: float) -> int:
+def _tether(job_regex: str, timeout: float) -> int:
     """Read heartbeats; on ``done`` return 0. When none came for ``timeout`` seconds, or the
     connection ended without ``done``, end this node's part of the job: SIGTERM to the job's
-    torchrun agents (found by ``agent_regex`` on their command line, in this network namespace)
+    torchrun agents, or ranks (found by ``job_regex`` on their command line, in this network namespace)
     and to their workers; once the workers ended (at most ``AGENT_GRACE_SECONDS``), SIGKILL to
     what is left of the agents' trees."""
+    _say(TETHER_READY)
     last = time.monotonic()
     said = b""
     while True:
@@ -233,11 +236,8 @@ def _tether(agent_regex: str, timeout: float) -> int:
                 f"no heartbeat from sail launch for {timeout:.0f} s (its host lost, or the network to it cut)"
             )
             break
-    agents = _agents(re.compile(agent_regex))
-    host = socket.gethostname()
-    print(
-        f"sail tether on {host}: {why}; ending the job's torchrun agents here: {sorted(agents)}", flush=True
-    )
+    agents = _agents(re.compile(job_regex))
+    _say(f"sail tether on {socket.gethostname()}: {why}; ending the job's processes here: {sorted(agents)}")
     targets = {pid: start_time(pid) for root in agents for pid in [root, *descendants(root)]}
     # The agents and their workers at once: an agent told alone stops its workers only after it
     # said goodbye to the rendezvous store, which on the lost host does not answer.
@@ -252,6 +252,14 @@ def _tether(agent_regex: str, timeout: float) -> int:
         time.sleep(0.1)
     _signal(targets, signal.SIGKILL)
     return 1
+
+
+def _say(line: str) -> None:
+    """Tell sail, if the connection still carries it: never wait on a cut connection (a blocked
+    write would hold up the ending of the job)."""
+    with contextlib.suppress(OSError):
+        os.set_blocking(sys.stdout.fileno(), False)
+        os.write(sys.stdout.fileno(), f"{line}\n".encode())
 
 
 def _agents(pattern: re.Pattern[str]) -> list[int]:

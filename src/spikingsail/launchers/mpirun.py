@@ -18,9 +18,12 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import uuid
 
+from spikingsail.launchers.agents import rank_mark, rank_regex, tether
 from spikingsail.launchers.as_torchrun import shimmed
 from spikingsail.launchers.command import LaunchCommand
+from spikingsail.launchers.hostfile import is_this_machine
 from spikingsail.launchers.remote_env import launcher_env, remote_env
 from spikingsail.launchers.request import LaunchRequest, require_first_slots
 
@@ -55,9 +58,13 @@ class MpirunLauncher:
         ]  # fmt: skip
         for key in sorted(shipped):
             argv += ["-x", key]
-        argv += [*request.launcher_args, *shimmed(request)]
+        run_id = request.rdzv_id or f"sail-{uuid.uuid4().hex[:12]}"
+        argv += [*request.launcher_args, *shimmed(request, rank_mark(run_id))]
         env = launcher_env(_LAUNCHER_VARS, _TUNING) | shipped
-        hosts = ",".join(n.host for n in request.nodes)
+        hosts = list(dict.fromkeys(n.host for n in request.nodes))
         return [
-            LaunchCommand(host=hosts, argv=argv, env=env, clean_env=True, stand_ins={"SIGQUIT": "SIGTERM"})
-        ]
+            LaunchCommand(host=",".join(hosts), argv=argv, env=env, clean_env=True,
+                          stand_ins={"SIGQUIT": "SIGTERM"}),
+            # mpirun's daemons do not notice a lost launching host (measured: ranks ran on for minutes)
+            *(tether(request, host, rank_regex(run_id)) for host in hosts if not is_this_machine(host)),
+        ]  # fmt: skip

@@ -21,6 +21,7 @@ from itertools import groupby
 from spikingsail.launchers.agents import (
     Rendezvous,
     agent_argv,
+    agent_regex,
     agent_shell_command,
     env_upload,
     leftover_cleanup,
@@ -70,4 +71,4 @@ class PdshLauncher:
                     relay=["pdsh", "-f", "1024", "-w", hosts, signal_relay(rdzv)],
                 )
             )
-        return [*commands, *(tether(request, node, rdzv) for node in request.nodes)]
+        return [*commands, *(tether(request, node.host, agent_regex(rdzv)) for node in request.nodes)]

@@ -17,6 +17,7 @@ import uuid
 from spikingsail.launchers.agents import (
     Rendezvous,
     agent_argv,
+    agent_regex,
     agent_shell_command,
     env_upload,
     leftover_cleanup,
@@ -54,4 +55,4 @@ class SSHLauncher:
                     relay=request.ssh.command(node.host, signal_relay(rdzv)),
                 )
             )
-        return [*commands, *(tether(request, node, rdzv) for node in request.nodes)]
+        return [*commands, *(tether(request, node.host, agent_regex(rdzv)) for node in request.nodes)]

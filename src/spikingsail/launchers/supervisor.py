@@ -28,7 +28,7 @@ from types import FrameType
 
 from spikingsail.launchers.command import FORWARDED, LaunchCommand, Upload
 from spikingsail.launchers.failure import Failure
-from spikingsail.launchers.lifeline import AGENT_GRACE_SECONDS, Watchdog, descendants
+from spikingsail.launchers.lifeline import AGENT_GRACE_SECONDS, TETHER_READY, Watchdog, descendants
 
 TAIL_LINES = 400
 TIMED_OUT = 124
@@ -49,6 +49,8 @@ class Running:
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     failed_node: tuple[str, int] | None = None
     """(host, exit status) of a node the command reported failed while it runs on."""
+    connected: bool = False
+    """A heartbeat command's tether answered: the connection to its host stood."""
 
 
 def print_line(line: str) -> None:
@@ -167,6 +169,9 @@ def _relay(run: Running, output: Callable[[str], None]) -> None:
     node_failure = re.compile(run.command.node_failure) if run.command.node_failure else None
     for raw in iter(run.process.stdout.readline, b""):
         line = raw.decode(errors="replace").rstrip("\r\n").replace("\r", "")
+        if run.command.heartbeat and line == TETHER_READY:
+            run.connected = True
+            continue
         run.tail.append(line)
         output(prefix + line)
         if node_failure is not None and run.failed_node is None and (found := node_failure.search(line)):
@@ -250,7 +255,7 @@ def _first_failure(states: list[tuple[Running, int | None]]) -> Failure | None:
     for run, code in states:
         if code not in (None, 0):
             time.sleep(0.3)  # let the relay catch the last lines
-            lost = run.command.heartbeat_timeout if run.command.heartbeat and code == _SSH_FAILED else None
+            lost = run.command.heartbeat_timeout if run.connected and code == _SSH_FAILED else None
             return Failure(host=run.command.host, exit_code=code, tail=list(run.tail), lost=lost)
         if run.failed_node is not None:
             host, node_code = run.failed_node

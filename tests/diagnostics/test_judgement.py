@@ -115,6 +115,21 @@ def test_fewer_gpus_than_slots_fails(cpu_facts: dict[str, Any]) -> None:
     assert slots.fix == "give node1 slots=2 in the hostfile (or --num_gpus 2)"
 
 
+def test_an_included_slot_the_node_does_not_have_fails(cpu_facts: dict[str, Any]) -> None:
+    # the hostfile says 8 slots; the node has 4 GPUs
+    request = parse_request(
+        ["-H", "node1:8", "--include", "node1:1,5", "-m", "spikingsail.diagnostics.allreduce"]
+    )
+    node1 = gpu_machine(cpu_facts, [A100, *({**A100, "index": i} for i in (1, 2, 3))])
+    report = Report()
+    node_report(request, cpu_facts, [ProbeResult(host="node1", facts=node1, received=node1["time"])], report)
+    (slots,) = [f for f in report.findings if f.check == "slots"]
+    assert slots.status is Status.FAIL and slots.detail.startswith(
+        "slot(s) 5 chosen, but the node has GPUs 0-3 only"
+    )
+    assert slots.fix == "choose slots from 0 to 3 for node1 (--include node1:0,1)"
+
+
 def test_a_clock_far_off_is_a_warning(cpu_facts: dict[str, Any]) -> None:
     request = parse_request(["-H", "node1:1", "-m", "spikingsail.diagnostics.allreduce"])
     report = Report()

@@ -24,6 +24,7 @@ from spikingsail.engine.precision import BF16Precision
 from spikingsail.environments import RankInfo
 from spikingsail.errors import BackendError
 from spikingsail.launchers import as_torchrun
+from tests.multiprocess import run_ranks
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -223,3 +224,46 @@ def test_deterministic_turns_on_deterministic_kernels_before_cuda_starts(
     finally:
         torch.use_deterministic_algorithms(before[0])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1], before[2]
+
+
+def test_a_mask_that_hides_every_gpu_of_a_gpu_node_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # --include node:4,5 on a 4-GPU node: CUDA sees nothing, and the job would train on the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(process_group, "nvidia_gpus", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    with pytest.raises(
+        BackendError, match=r"CUDA_VISIBLE_DEVICES=4,5 leaves no GPU visible on .*, which has 4 \(0-3\)"
+    ):
+        process_group.select_device(rank(0))
+    for allowed in ("", "-1"):  # hidden on purpose: the CPU it is
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", allowed)
+        assert process_group.select_device(rank(0)) == torch.device("cpu")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    monkeypatch.setattr(process_group, "nvidia_gpus", lambda: 0)  # a CPU node: nothing to hide
+    assert process_group.select_device(rank(0)) == torch.device("cpu")
+
+
+def _join_with(device_type: str) -> str:
+    """Join the default group as a rank whose device is ``device_type`` (rank 1: a GPU node's)."""
+    from spikingsail.config.parse import load_config
+    from spikingsail.environments import discover_rank_info
+
+    info = discover_rank_info()
+    config = load_config({"train_micro_batch_size_per_gpu": 1}, world_size=info.world_size)
+    device = torch.device(device_type, 0) if info.rank == 1 else torch.device("cpu")
+    try:
+        process_group.join_process_group(config, info, device)
+    except BackendError as err:
+        return str(err)
+    process_group.leave_process_group()
+    return "joined"
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_would_mix_nccl_and_gloo_are_refused_before_the_group_forms() -> None:
+    results = run_ranks(_join_with, 2, "cuda")
+    for message in results.values():
+        assert message.startswith("the ranks disagree on the collective backend: rank 1 on ")
+        assert "chose nccl (cuda:0) while rank 0 on " in message and "chose gloo (cpu)" in message
+    assert run_ranks(_join_with, 2, "cpu") == {0: "joined", 1: "joined"}

@@ -275,3 +275,14 @@ def test_a_closed_terminal_ends_the_whole_job(tmp_path: Path) -> None:
         (out / "stop").touch()
         terminal.kill()
         terminal.wait()
+
+
+def test_local_launcher_with_a_host_list_uses_its_count_and_chosen_slots_here(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.touch()
+    (command,) = plan(parse_request(["--launcher", "local", "-H", "localhost:4", "--include", "localhost:1,3",
+                                     str(script)]))  # fmt: skip
+    assert command.env == {"CUDA_VISIBLE_DEVICES": "1,3"}
+    assert command.argv[command.argv.index("--nproc-per-node") + 1] == "2"
+    with pytest.raises(LaunchError, match="--launcher local with -H naming localhost, node9"):
+        plan(parse_request(["--launcher", "local", "-H", "localhost:1,node9:1", str(script)]))

@@ -6,6 +6,7 @@ import datetime
 import itertools
 import logging
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ def select_device(rank_info: RankInfo) -> torch.device:
     ``sail submit`` writes for one task per process) binds each task to its own GPU, which every
     task sees as device 0."""
     if not torch.cuda.is_available():
+        _refuse_a_mask_that_hides_every_gpu()
         return torch.device("cpu")
     count = torch.cuda.device_count()
     if count == 1:
@@ -40,6 +42,31 @@ def select_device(rank_info: RankInfo) -> torch.device:
     device = torch.device("cuda", rank_info.local_rank)
     torch.cuda.set_device(device)
     return device
+
+
+def _refuse_a_mask_that_hides_every_gpu() -> None:
+    """A node with GPUs whose CUDA_VISIBLE_DEVICES names none of them (``--include node:4,5`` on a
+    4-GPU node) would train on the CPU without a word. An empty mask (or -1) hides the GPUs on
+    purpose, and a CPU-only torch cannot use them anyway."""
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    gpus = nvidia_gpus()
+    if not mask or mask == "-1" or torch.version.cuda is None or not gpus:
+        return
+    raise BackendError(
+        f"CUDA_VISIBLE_DEVICES={mask} leaves no GPU visible on {socket.gethostname()}, which has {gpus} "
+        f"(0-{gpus - 1})",
+        "the mask names GPUs this node does not have (a slot list from --include, or a mask set by hand), "
+        "and the job would train on the CPU",
+        f"choose slots from 0 to {gpus - 1} (--include HOST:0,1), or unset CUDA_VISIBLE_DEVICES",
+    )
+
+
+def nvidia_gpus() -> int:
+    """The NVIDIA GPUs the driver knows on this node, whatever CUDA_VISIBLE_DEVICES says."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
 
 
 def dist_backend_for(config: SailConfig, device: torch.device) -> str:
@@ -69,10 +96,12 @@ def join_process_group(config: SailConfig, rank_info: RankInfo, device: torch.de
     backend = dist_backend_for(config, device)
     timeout = datetime.timedelta(minutes=config.sail.timeout_minutes)
     log.debug("joining %s process group at %s as rank %d", backend, rank_info.init_method(), rank_info.rank)
+    store = _store(rank_info, timeout)
+    _agree_on_backend(store, rank_info, backend, device)
     try:
         dist.init_process_group(
             backend=backend,
-            store=_store(rank_info, timeout),
+            store=store,
             rank=rank_info.rank,
             world_size=rank_info.world_size,
             timeout=timeout,
@@ -86,6 +115,34 @@ def join_process_group(config: SailConfig, rank_info: RankInfo, device: torch.de
             "(`sail doctor -H hostfile` checks both)",
         ) from err
     return True
+
+
+def _agree_on_backend(store: Store, rank_info: RankInfo, backend: str, device: torch.device) -> None:
+    """Every rank must choose the same collective backend: a node without a visible GPU picks gloo
+    while the others pick nccl, and the group would fail at its first collective, or hang. Each
+    rank writes its choice; rank 0 reads them all (O(world size)) and writes the verdict."""
+    store.set(f"sail_backend/{rank_info.rank}", f"{backend} {device} {socket.gethostname()}")
+    if rank_info.rank == 0:
+        choices = [store.get(f"sail_backend/{r}").decode() for r in range(rank_info.world_size)]
+        odd = [(r, c) for r, c in enumerate(choices) if c.split()[0] != backend]
+        verdict = ""
+        if odd:
+            r, choice = odd[0]
+            theirs, their_device, host = choice.split(maxsplit=2)
+            verdict = (f"rank {r} on {host} chose {theirs} ({their_device}) while rank 0 on "
+                       f"{socket.gethostname()} chose {backend} ({device})")  # fmt: skip
+            if len(odd) > 1:
+                verdict += f", and {len(odd) - 1} more rank(s) differ too"
+        store.set("sail_backend/verdict", verdict or "ok")
+    verdict = store.get("sail_backend/verdict").decode()
+    if verdict != "ok":
+        raise BackendError(
+            f"the ranks disagree on the collective backend: {verdict}",
+            "nccl needs a GPU on every rank; a node where no GPU is visible (drivers, CUDA_VISIBLE_DEVICES) "
+            "falls back to gloo, and a mixed group cannot communicate",
+            "make a GPU visible on every node (`sail doctor -H hostfile` checks), or set "
+            '"sail": {"dist_backend": "gloo"} for the whole job',
+        )
 
 
 _JOINS = itertools.count()

@@ -116,6 +116,13 @@ def _slots(node: Node, facts: Facts) -> Finding:
     torch = facts["torch"]
     if torch.get("cuda") or torch.get("hip") or facts["driver"].get("gpus"):
         gpus = len(torch.get("gpus") or [])
+        chosen = node.slots != tuple(range(node.nproc))  # --include HOST:SLOTS
+        missing = [slot for slot in node.slots if slot >= gpus]
+        if chosen and missing and gpus:
+            return fail("slots", f"slot(s) {','.join(map(str, missing))} chosen, but the node has GPUs 0-{gpus - 1} "
+                        "only: those processes would see no GPU and train on the CPU",
+                        f"choose slots from 0 to {gpus - 1} for {node.host} (--include {node.host}:0,1)",
+                        node.host)  # fmt: skip
         if gpus < node.nproc:
             return fail("slots", f"{node.nproc} process(es) but {gpus} GPU(s) visible",
                         f"give {node.host} slots={gpus} in the hostfile (or --num_gpus {gpus})", node.host)  # fmt: skip

@@ -21,8 +21,10 @@ import threading
 from collections.abc import Mapping
 from types import FrameType
 
+from spikingsail.errors import LaunchError
 from spikingsail.launchers.command import FORWARDED, LaunchCommand, python_module
 from spikingsail.launchers.failure import Failure
+from spikingsail.launchers.hostfile import is_this_machine
 from spikingsail.launchers.lifeline import die_with_this_process
 from spikingsail.launchers.request import LaunchRequest
 
@@ -33,10 +35,30 @@ class LocalLauncher:
     name = "local"
 
     def commands(self, request: LaunchRequest) -> list[LaunchCommand]:
-        argv = python_module(
-            "torch.distributed.run", *request.torchrun_args, request.script, *request.script_args
+        flags, env = list(request.torchrun_args), dict[str, str]()
+        if request.nodes:
+            flags, env = _this_node(request, flags)
+        argv = python_module("torch.distributed.run", *flags, request.script, *request.script_args)
+        return [LaunchCommand(host="localhost", argv=argv, env=env)]
+
+
+def _this_node(request: LaunchRequest, flags: list[str]) -> tuple[list[str], dict[str, str]]:
+    """``--launcher local`` with ``-H``: the one host must be this machine; its process count and
+    chosen slots (``--include host:1,3``) apply here, the slots as this machine's GPU mask."""
+    assert request.nodes
+    if len(request.nodes) > 1 or not is_this_machine(request.nodes[0].host):
+        hosts = ", ".join(n.host for n in request.nodes)
+        raise LaunchError(
+            f"--launcher local with -H naming {hosts}",
+            "the local launcher starts processes on this machine only",
+            "use --launcher ssh (the default with -H) or pdsh for other hosts",
         )
-        return [LaunchCommand(host="localhost", argv=argv)]
+    node = request.nodes[0]
+    if not any(f.split("=", 1)[0] in ("--nproc-per-node", "--nproc_per_node") for f in flags):
+        flags = ["--nproc-per-node", str(node.nproc), *flags]
+    if node.slots != tuple(range(node.nproc)):
+        return flags, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, node.slots))}
+    return flags, {}
 
 
 def run_local(

@@ -36,10 +36,12 @@ def agent(tmp_path: Path, run_id: str) -> subprocess.Popen[bytes]:
     return process
 
 
-def tether(run_id: str, timeout: int) -> subprocess.Popen[bytes]:
+def tether(run_id: str, timeout: int, kind: str = "agents") -> subprocess.Popen[bytes]:
     regex = agent_regex(Rendezvous(endpoint="127.0.0.1:0", run_id=run_id, nnodes=1))
+    if kind == "ranks":
+        regex = rank_regex(run_id)
     return subprocess.Popen(
-        [sys.executable, "-I", LIFELINE, "tether", regex, str(timeout)],
+        [sys.executable, "-I", LIFELINE, "tether", regex, str(timeout), kind],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -108,7 +110,7 @@ def test_every_node_gets_a_tether_with_ssh_keepalive(tmp_path: Path, monkeypatch
             assert argv[argv.index("--") + 1] == command.host
             assert {"ServerAliveInterval=4", "ServerAliveCountMax=3"} <= set(argv)
             assert argv[-1].split()[:4] == [sys.executable, "-I", LIFELINE, "tether"]
-            assert argv[-1].endswith(" 12") and "job7" not in argv[-1]  # the id only as a pattern
+            assert argv[-1].endswith(" 12 agents") and "job7" not in argv[-1]  # the id only as a pattern
 
 
 def test_a_heartbeat_timeout_under_three_seconds_is_refused(
@@ -138,4 +140,35 @@ def test_mpirun_and_horovodrun_ranks_carry_the_jobs_mark_and_only_other_hosts_ge
         job, *tethers = commands
         assert job.argv[job.argv.index(sys.executable, 1) + 1 :][:2] == ["-X", "sail-run=job7"]
         assert [t.host for t in tethers] == ["node2"] and all(t.heartbeat for t in tethers)
-        assert shlex.split(tethers[0].argv[-1])[3:5] == ["tether", rank_regex("job7")]
+        assert shlex.split(tethers[0].argv[-1])[3:] == ["tether", rank_regex("job7"), "30", "ranks"]
+
+
+# A rank (mpirun, horovodrun) that saves for 2 s on SIGTERM before it exits, as the engine does.
+SAVING_RANK = """
+import signal, sys, time
+def save(signum, frame):
+    time.sleep(2)
+    open(sys.argv[1], "w").close()
+    sys.exit(75)
+signal.signal(signal.SIGTERM, save)
+open(sys.argv[1] + ".ready", "w").close()
+time.sleep(120)
+"""
+
+
+def test_a_rank_gets_the_grace_period_to_save_before_it_is_killed(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(SAVING_RANK)
+    saved = tmp_path / "saved"
+    rank = subprocess.Popen([sys.executable, "-X", "sail-run=tj4", str(script), str(saved)])
+    cut = tether("tj4", 3, "ranks")
+    try:
+        deadline = time.monotonic() + 30
+        while not Path(f"{saved}.ready").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert cut.wait(timeout=3 + AGENT_GRACE_SECONDS + 10) == 1  # no heartbeat
+        assert rank.wait(timeout=10) == 75 and saved.exists()  # it saved; it was not killed after 1 s
+    finally:
+        rank.kill()
+        cut.kill()

@@ -98,14 +98,22 @@ def agent_regex(rdzv: Rendezvous) -> str:
     return rf"^[^ ]+ -m torch[.]distributed[.]run .*--rdzv-id {literal_pattern(rdzv.run_id)}( |$)"
 
 
-def tether(request: LaunchRequest, host: str, job_regex: str) -> LaunchCommand:
+def tether(request: LaunchRequest, host: str, job_regex: str, *, ranks: bool = False) -> LaunchCommand:
     """A second connection to ``host`` that carries a heartbeat from ``sail launch``: should it
     stop for ``--heartbeat-timeout`` seconds (the launching host was lost, or the network to it
     cut) or end without sail saying the job is done, the host ends its part of the job by itself:
     the processes whose command line matches ``job_regex`` (the torchrun agents of ssh and pdsh
-    jobs, ``agent_regex``; the ranks of mpirun and horovodrun jobs, ``rank_regex``)."""
+    jobs, ``agent_regex``; the ranks of mpirun and horovodrun jobs, ``rank_regex``, with ``ranks``)."""
     timeout = request.ssh.heartbeat_timeout
-    remote = [sys.executable, "-I", LIFELINE, "tether", job_regex, str(timeout)]
+    remote = [
+        sys.executable,
+        "-I",
+        LIFELINE,
+        "tether",
+        job_regex,
+        str(timeout),
+        "ranks" if ranks else "agents",
+    ]
     return LaunchCommand(
         host=host,
         argv=request.ssh.command(host, shlex.join(remote), keepalive=True),

@@ -96,7 +96,10 @@ class HorovodrunLauncher:
         if relay is None:
             return [command]
         # horovodrun's ssh clients have no terminal: a lost launching host would leave the ranks running
-        return [command, *(tether(request, host, rank_regex(run_id)) for host in remote_hosts(hosts))]
+        return [
+            command,
+            *(tether(request, host, rank_regex(run_id), ranks=True) for host in remote_hosts(hosts)),
+        ]
 
 
 # Every rank's Python runs with ``-X sail-run=RUN_ID`` (``agents.rank_mark``): the job's ranks are

@@ -13,15 +13,15 @@ cannot be caught, so:
   hang-up and stops its workers; mpirun and srun end their ranks. Then the commands' cleanups run
   (horovodrun's: its remote ranks, started by ssh without a terminal, get no hang-up).
 - a lost launching host (or a cut network) sends nothing at all: every node of an ssh or pdsh job
-  runs a ``tether`` over a connection of its own, which reads a heartbeat from sail and ends the
-  node's torchrun agents when none came for the heartbeat timeout, or when the connection ended
-  without sail saying the job is done.
+  (and every other host of an mpirun or horovodrun job) runs a ``tether`` over a connection of its
+  own, which reads a heartbeat from sail and ends the node's torchrun agents (or ranks) when none
+  came for the heartbeat timeout, or when the connection ended without sail saying the job is done.
 
 Linux only; elsewhere the children are started as before.
 
     python -I lifeline.py      (the watchdog: pids and "cleanup [ARGV, ENV]" JSON lines on stdin,
                                 then "done"; standard library only)
-    python -I lifeline.py tether JOB_REGEX TIMEOUT      (on a node: heartbeats, then "done")
+    python -I lifeline.py tether JOB_REGEX TIMEOUT agents|ranks   (on a node: heartbeats, then "done")
 """
 
 from __future__ import annotations
@@ -211,12 +211,13 @@ TETHER_READY = "sail tether: watching"
 AGENT_GRACE_SECONDS = 15
 
 
-def _tether(job_regex: str, timeout: float) -> int:
+def _tether(job_regex: str, timeout: float, kind: str) -> int:
     """Read heartbeats; on ``done`` return 0. When none came for ``timeout`` seconds, or the
     connection ended without ``done``, end this node's part of the job: SIGTERM to the job's
-    torchrun agents, or ranks (found by ``job_regex`` on their command line, in this network namespace)
-    and to their workers; once the workers ended (at most ``AGENT_GRACE_SECONDS``), SIGKILL to
-    what is left of the agents' trees."""
+    processes found by ``job_regex`` on their command line in this network namespace (``kind``:
+    torchrun ``agents``, or the ``ranks`` themselves) and to their children; once the workers (the
+    agents' children, or the ranks) ended, at most ``AGENT_GRACE_SECONDS`` later, SIGKILL to
+    what is left of their trees."""
     _say(TETHER_READY)
     last = time.monotonic()
     said = b""
@@ -241,7 +242,8 @@ def _tether(job_regex: str, timeout: float) -> int:
     targets = {pid: start_time(pid) for root in agents for pid in [root, *descendants(root)]}
     # The agents and their workers at once: an agent told alone stops its workers only after it
     # said goodbye to the rendezvous store, which on the lost host does not answer.
-    workers = {pid: targets[pid] for pid in targets if _parent(pid) in agents}
+    working = {pid for pid in targets if _parent(pid) in agents} if kind == "agents" else set(agents)
+    workers = {pid: targets[pid] for pid in working if pid in targets}
     _signal({pid: targets[pid] for pid in [*agents, *workers]}, signal.SIGTERM)
     deadline = time.monotonic() + AGENT_GRACE_SECONDS
     while time.monotonic() < deadline and _alive(workers):
@@ -282,5 +284,5 @@ def _agents(pattern: re.Pattern[str]) -> list[int]:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["tether"]:
-        sys.exit(_tether(sys.argv[2], float(sys.argv[3])))
+        sys.exit(_tether(sys.argv[2], float(sys.argv[3]), sys.argv[4]))
     _watch()

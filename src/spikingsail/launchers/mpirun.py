@@ -66,5 +66,5 @@ class MpirunLauncher:
             LaunchCommand(host=",".join(hosts), argv=argv, env=env, clean_env=True,
                           stand_ins={"SIGQUIT": "SIGTERM"}),
             # mpirun's daemons do not notice a lost launching host (measured: ranks ran on for minutes)
-            *(tether(request, host, rank_regex(run_id)) for host in hosts if not is_this_machine(host)),
+            *(tether(request, host, rank_regex(run_id), ranks=True) for host in hosts if not is_this_machine(host)),
         ]  # fmt: skip

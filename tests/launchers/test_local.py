@@ -180,7 +180,8 @@ def test_every_forwarded_signal_reaches_the_workers_and_leaves_nothing(
         wait_for(
             lambda: not processes_with(str(out)), 10, f"left after {signum.name}: {processes_with(str(out))}"
         )
-        assert launcher.wait(timeout=5) != 0
+        code = launcher.wait(timeout=5)
+        assert code == (-signal.SIGKILL if signum == signal.SIGKILL else 128 + signum)
         if signum == signal.SIGUSR1:
             assert (out / "usr1-0").exists() and (out / "usr1-1").exists()  # the workers got it
     finally:

@@ -64,8 +64,9 @@ def _this_node(request: LaunchRequest, flags: list[str]) -> tuple[list[str], dic
 def run_local(
     command: LaunchCommand, base_env: Mapping[str, str] | None = None
 ) -> tuple[int, Failure | None]:
-    """Run a command on this machine, passing signals on to it; returns its exit status and, when
-    it failed by itself (not on a signal), the failure read from its standard error."""
+    """Run a command on this machine, passing signals on to it; returns its exit status (128 + the
+    signal's number when it was stopped on one) and, when it failed by itself, the failure read
+    from its standard error."""
     env = {**(os.environ if base_env is None else base_env), **command.env}
     reader, writer = _stderr_channel()
     try:
@@ -99,7 +100,9 @@ def run_local(
             code = child.wait()
         # workers that outlived the agent may hold stderr open: do not wait for them
         relay.join(timeout=2)
-    if code == 0 or received:
+    if received:  # stopped on a signal: as a shell reports it, whatever the agent's own status
+        return 128 + received[0], None
+    if code == 0:
         return code, None
     return code, Failure(host=command.host, exit_code=code, tail=list(tail))
 

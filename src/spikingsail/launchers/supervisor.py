@@ -107,7 +107,9 @@ def _run(
     try:
         failure = _wait(running, received, None if timeout is None else time.monotonic() + timeout, heartbeat)
     finally:
-        heartbeat.stop()
+        # sail is here to end the job itself (and its cleanups name what they kill): the tethers,
+        # for a lost or killed sail, stand down
+        heartbeat.release()
         stopped = _stop_all(running)
         for relay in relays:
             relay.join(timeout=5)
@@ -203,13 +205,10 @@ class _Heartbeat:
             self._send(b".\n", close=False)
 
     def release(self) -> None:
-        """The job's commands have ended: the tethers may end too."""
+        """The job's commands have ended, or sail ends them itself: the tethers may end too."""
         if not self._over.is_set():
             self._over.set()
             self._send(b"done\n", close=True)
-
-    def stop(self) -> None:
-        self._over.set()
 
     def _send(self, line: bytes, *, close: bool) -> None:
         with self._lock:

@@ -112,20 +112,25 @@ class Watchdog:
 WATCHDOG_GRACE_SECONDS = 10.0
 
 
-def start_time(pid: int) -> str | None:
-    """The process's start time (``/proc/PID/stat`` field 22), which tells it from a later one with the same pid."""
+def _stat(pid: int) -> list[str] | None:
+    """``/proc/PID/stat`` after the command name (which may hold spaces and parentheses): state,
+    ppid, ...; None for a process that is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+    return fields if len(fields) > 19 else None
+
+
+def start_time(pid: int) -> str | None:
+    """The process's start time (``/proc/PID/stat`` field 22), which tells it from a later one with the same pid."""
+    fields = _stat(pid)
+    return fields[19] if fields else None
 
 
 def _parent(pid: int) -> int | None:
-    try:
-        # /proc/PID/stat: "pid (comm) state ppid ..."; comm may contain spaces and parentheses.
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+    fields = _stat(pid)
+    return int(fields[1]) if fields else None
 
 
 def descendants(root: int) -> list[int]:
@@ -184,18 +189,12 @@ CLEANUP_SECONDS = 60.0
 def _alive(targets: dict[int, str | None]) -> dict[int, str | None]:
     """Those still running: the same start time, and not a zombie (a worker whose agent, stuck on
     an unreachable store, has not reaped it yet)."""
-    return {
-        pid: when
-        for pid, when in targets.items()
-        if when is not None and start_time(pid) == when and _state(pid) not in ("Z", "X", None)
-    }
-
-
-def _state(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
+    alive: dict[int, str | None] = {}
+    for pid, when in targets.items():
+        fields = _stat(pid)
+        if when is not None and fields and fields[19] == when and fields[0] not in ("Z", "X"):
+            alive[pid] = when
+    return alive
 
 
 def _signal(targets: dict[int, str | None], signum: int) -> None:

@@ -14,20 +14,14 @@ import pytest
 import torch
 
 from spikingsail.errors import LaunchError
-from spikingsail.launchers import plan as full_plan
-from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.failure import Failure
 from spikingsail.launchers.horovodrun import remote_hosts
 from spikingsail.launchers.remote_env import FORWARDED_NAMES, FORWARDED_PREFIXES
-from spikingsail.launchers.request import LaunchRequest, parse_request
+from spikingsail.launchers.request import parse_request
+from tests.launchers.plans import plan
 
 GOLDEN = Path(__file__).with_name("golden")
 JOB = Path(__file__).parents[1] / "backends" / "jobs" / "horovod_job.py"
-
-
-def plan(request: LaunchRequest) -> list[LaunchCommand]:
-    """The command that starts the job; the hosts' heartbeat connections are tested on their own."""
-    return [command for command in full_plan(request) if not command.heartbeat]
 
 
 @pytest.fixture

@@ -11,15 +11,10 @@ from pathlib import Path
 import pytest
 
 from spikingsail.errors import LaunchError
-from spikingsail.launchers import plan as full_plan
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.preflight import check_hosts
-from spikingsail.launchers.request import FORWARDED_SIGNALS, LaunchRequest, SSHOptions, parse_request
-
-
-def plan(request: LaunchRequest) -> list[LaunchCommand]:
-    """The commands that start the job; each node's heartbeat connection is tested on its own."""
-    return [command for command in full_plan(request) if not command.heartbeat]
+from spikingsail.launchers.request import FORWARDED_SIGNALS, SSHOptions, parse_request
+from tests.launchers.plans import plan
 
 
 def setenv(monkeypatch: pytest.MonkeyPatch, variables: dict[str, str]) -> None:

@@ -13,16 +13,11 @@ from pathlib import Path
 import pytest
 
 from spikingsail.errors import LaunchError
-from spikingsail.launchers import plan as full_plan
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.remote_env import EnvFile, export_lines, looks_secret, read_env_file, remote_env
-from spikingsail.launchers.request import LaunchRequest, parse_request
+from spikingsail.launchers.request import parse_request
+from tests.launchers.plans import plan
 from tests.launchers.test_multinode_plan import remote, setenv
-
-
-def plan(request: LaunchRequest) -> list[LaunchCommand]:
-    """The commands that start the job; each node's heartbeat connection is tested on its own."""
-    return [command for command in full_plan(request) if not command.heartbeat]
 
 
 def test_environment_shipped_is_explicit(job: Path) -> None:

@@ -140,43 +140,27 @@ def signal_the_launcher(process: subprocess.Popen[str], tmp_path: Path, signum: 
         assert (tmp_path / "out" / "usr1-0").exists() and (tmp_path / "out" / "usr1-1").exists()
 
 
-@pytest.mark.parametrize("launcher", ["ssh", "pdsh", "mpirun"])
-@pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: s.name)
-def test_every_signal_to_the_launcher_reaches_both_nodes_and_leaves_nothing(
-    cluster: NamespaceCluster, tmp_path: Path, launcher: str, signum: signal.Signals
-) -> None:
-    process = start(cluster, tmp_path, ["--launcher", launcher], [], cluster.slurm_env())
-    try:
-        signal_the_launcher(process, tmp_path, signum)
-    finally:
-        stop(tmp_path)
-        process.kill()
-    assert_no_job_left(cluster)
-
-
-def start_horovodrun(cluster: NamespaceCluster, tmp_path: Path, flags: list[str]) -> subprocess.Popen[str]:
-    # horovodrun's ssh takes no -F: node1's own ssh_config is the cluster's, as ~/.ssh/config would be
-    argv = [
-        *SAIL,
-        "--launcher",
-        "horovodrun",
-        "-H",
-        "node1:1,node2:1",
-        *flags,
-        str(JOB),
-        str(tmp_path / "out"),
-    ]
+def launch_with(
+    cluster: NamespaceCluster, tmp_path: Path, launcher: str, flags: list[str] | None = None
+) -> subprocess.Popen[str]:
+    """``start`` with ``--launcher LAUNCHER``; horovodrun's ssh takes no -F, so for it node1's own
+    ssh_config is the cluster's, as ~/.ssh/config would be, and the hosts are a host list."""
+    flags = ["--launcher", launcher, *(flags or [])]
+    if launcher != "horovodrun":
+        return start(cluster, tmp_path, flags, [], cluster.slurm_env())
+    argv = [*SAIL, "-H", "node1:1,node2:1", *flags, str(JOB), str(tmp_path / "out")]
     log = (tmp_path / "launch.log").open("w")
     prelude = f"mount --bind {cluster.ssh_config} /etc/ssh/ssh_config"
     return subprocess.Popen(cluster.node_argv("node1", argv, prelude=prelude), cwd=tmp_path,
                             env=cluster.slurm_env(), stdout=log, stderr=log, text=True)  # fmt: skip
 
 
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh", "mpirun", "horovodrun"])
 @pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: s.name)
-def test_every_signal_to_horovodrun_reaches_the_ranks_on_both_nodes_and_leaves_nothing(
-    cluster: NamespaceCluster, tmp_path: Path, signum: signal.Signals
+def test_every_signal_to_the_launcher_reaches_both_nodes_and_leaves_nothing(
+    cluster: NamespaceCluster, tmp_path: Path, launcher: str, signum: signal.Signals
 ) -> None:
-    process = start_horovodrun(cluster, tmp_path, [])
+    process = launch_with(cluster, tmp_path, launcher)
     try:
         signal_the_launcher(process, tmp_path, signum)
     finally:
@@ -231,16 +215,13 @@ def test_a_network_cut_from_the_launching_host_ends_the_other_nodes_part_within_
     cluster: NamespaceCluster, tmp_path: Path, launcher: str
 ) -> None:
     timeout = 3
-    flags = ["--launcher", launcher, "--heartbeat-timeout", str(timeout)]
-    if launcher == "horovodrun":
-        process = start_horovodrun(cluster, tmp_path, flags)
-    else:
-        if launcher == "mpirun":  # the namespaces' only link (Open MPI tries every interface otherwise)
-            flags += [
-                "--launcher-args",
-                "--mca btl_tcp_if_include 10.99.0.0/24 --mca oob_tcp_if_include 10.99.0.0/24",
-            ]
-        process = start(cluster, tmp_path, flags, [], cluster.slurm_env())
+    flags = ["--heartbeat-timeout", str(timeout)]
+    if launcher == "mpirun":  # the namespaces' only link (Open MPI tries every interface otherwise)
+        flags += [
+            "--launcher-args",
+            "--mca btl_tcp_if_include 10.99.0.0/24 --mca oob_tcp_if_include 10.99.0.0/24",
+        ]
+    process = launch_with(cluster, tmp_path, launcher, flags)
     try:
         wait_for(lambda: started(tmp_path), 90, lambda: (tmp_path / "launch.log").read_text()[-3000:])
         node2 = set(cluster.pids("node2"))

@@ -39,6 +39,26 @@ for op in ("ShareMemCommBuilder", "FusedAdamBuilder"):
 ' >/dev/null
   touch "$venv/.backends-complete"
 fi
+# On GPU nodes DeepSpeed compiles FusedAdam (what a config's Adam/AdamW becomes) with nvcc at the
+# first step of a job, on every node; SAIL_DEEPSPEED_CUDA_OPS=1 builds its CUDA ops into the
+# installed DeepSpeed once instead (needs the CUDA toolkit of torch's CUDA here; `sail doctor` says).
+if [ "${1:-}" = "--backends" ] && [ "${SAIL_DEEPSPEED_CUDA_OPS:-0}" = 1 ] && [ ! -f "$venv/.deepspeed-cuda-ops" ]; then
+  if ! "$venv/bin/python" -c '
+import sys, torch
+from torch.utils.cpp_extension import CUDA_HOME
+if not torch.version.cuda or CUDA_HOME is None:
+    sys.exit(f"[setup] SAIL_DEEPSPEED_CUDA_OPS=1: cannot build DeepSpeed'"'"'s CUDA ops here: "
+             + ("this torch is a CPU build" if not torch.version.cuda else
+                f"no CUDA toolkit (nvcc) found; install CUDA {torch.version.cuda} and set CUDA_HOME"))
+'; then
+    exit 1
+  fi
+  echo "[setup] building DeepSpeed's CUDA ops (FusedAdam, CPU Adam) into the environment (several minutes of compiling)"
+  ds_pin=$(grep -E '^deepspeed==' "$root/requirements/backends.txt")
+  DS_BUILD_FUSED_ADAM=1 DS_BUILD_CPU_ADAM=1 "$venv/bin/python" -m pip install --quiet --no-deps \
+    --no-build-isolation --no-cache-dir --force-reinstall "$ds_pin"
+  touch "$venv/.deepspeed-cuda-ops"
+fi
 "$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$root"
 ln -sfn "$venv" "$root/.venv"
 echo "[setup] ready: source $root/.venv/bin/activate"

@@ -86,6 +86,72 @@ def test_locked_memory_matters_on_gpu_machines(cpu_facts: dict[str, Any]) -> Non
     assert fix.startswith("ulimit -l unlimited")
 
 
+def deepspeed_on_gpus(facts: dict[str, Any], nvcc: dict[str, Any]) -> dict[str, Any]:
+    """``facts`` on a GPU machine whose DeepSpeed sees the CUDA accelerator and ``nvcc``."""
+    assert facts["deepspeed"] and facts["deepspeed"]["error"] is None, "DeepSpeed must import here"
+    out = gpu_machine(facts, [A100])
+    out["deepspeed"].update(accelerator="cuda", nvcc=nvcc)
+    for op in out["deepspeed"]["ops"]:
+        op["installed"] = False
+    return out
+
+
+NO_NVCC = {"home": None, "version": None, "error": "CUDA_HOME does not exist, unable to compile CUDA op(s)"}
+NVCC = {"home": "/usr/local/cuda", "version": "12.1", "error": None}
+
+
+def test_no_deepspeed_cuda_finding_without_a_gpu(cpu_facts: dict[str, Any]) -> None:
+    assert judge(cpu_facts, "deepspeed cuda ops") == []
+
+
+def test_fused_adam_that_cannot_be_compiled_is_a_warning_with_the_ways_out(cpu_facts: dict[str, Any]) -> None:
+    ((status, detail, fix),) = judge(deepspeed_on_gpus(cpu_facts, NO_NVCC), "deepspeed cuda ops")
+    assert status is Status.WARN
+    assert detail.startswith(
+        "FusedAdam is not prebuilt and cannot be compiled here (CUDA_HOME does not exist"
+    )
+    assert "Adam or AdamW optimizer stops at its first step" in detail
+    assert fix.startswith("install the CUDA toolkit 12.1 (nvcc; set CUDA_HOME) on this node")
+    assert "SAIL_DEEPSPEED_CUDA_OPS=1 bash scripts/setup.sh --backends" in fix
+    assert '"torch_adam": true' in fix
+
+
+def test_an_nvcc_of_another_cuda_is_named(cpu_facts: dict[str, Any]) -> None:
+    mismatch = {**NVCC, "version": "11.8", "error": "DeepSpeed Op Builder: Installed CUDA version 11.8 does "
+                "not match the version torch was compiled with 12.1"}  # fmt: skip
+    ((status, detail, _),) = judge(deepspeed_on_gpus(cpu_facts, mismatch), "deepspeed cuda ops")
+    assert status is Status.WARN and "Installed CUDA version 11.8 does not match" in detail
+
+
+def test_fused_adam_compiled_at_first_use_prebuilt_or_cached(cpu_facts: dict[str, Any]) -> None:
+    facts = deepspeed_on_gpus(cpu_facts, NVCC)
+    ((status, detail, _),) = judge(facts, "deepspeed cuda ops")
+    assert status is Status.OK and detail.startswith("FusedAdam is compiled at the first deepspeed job")
+    assert "nvcc 12.1 in /usr/local/cuda" in detail
+
+    prebuilt = deepspeed_on_gpus(cpu_facts, NO_NVCC)
+    next(op for op in prebuilt["deepspeed"]["ops"] if op["name"] == "fused_adam")["installed"] = True
+    assert judge(prebuilt, "deepspeed cuda ops") == [(Status.OK, "FusedAdam is prebuilt into DeepSpeed", "")]
+
+    cached = deepspeed_on_gpus(cpu_facts, NO_NVCC)
+    build = {
+        "path": "/cache/fused_adam",
+        "name": "fused_adam",
+        "tag": None,
+        "torch_include": None,
+        "cuda": True,
+        "libraries": ["/cache/fused_adam/fused_adam.so"],
+        "built": None,
+        "load_errors": {},
+    }
+    cached["extensions"]["entries"] = [{**build, "cuda": False}]  # DeepSpeed's CPU op of the same name
+    assert judge(cached, "deepspeed cuda ops")[0][0] is Status.WARN
+    cached["extensions"]["entries"] = [build]
+    assert judge(cached, "deepspeed cuda ops") == [
+        (Status.OK, "FusedAdam is compiled in /cache/fused_adam", "")
+    ]
+
+
 def test_mixed_a100_and_v100_nodes_are_told_to_use_fp16(cpu_facts: dict[str, Any]) -> None:
     request = parse_request(["-H", "node1:1,node2:1", "-m", "spikingsail.diagnostics.allreduce"])
     node1 = gpu_machine(cpu_facts, [A100])

@@ -202,6 +202,7 @@ def _backends(facts: Facts, host: str) -> list[Finding]:
         _optional("deepspeed", facts.get("deepspeed"), host, fail,
                   "reinstall it for this torch: DS_BUILD_OPS=0 pip install deepspeed",
                   lambda ds: _deepspeed(ds, torch_version, host)),
+        *_deepspeed_cuda_ops(facts, host),
         _optional("horovod", facts.get("horovod"), host, fail,
                   f"rebuild Horovod against torch {torch_version} (bash scripts/build-horovod.sh PYTHON)",
                   lambda hvd: ok("horovod", f"Horovod {hvd['version']}: frameworks {', '.join(hvd['frameworks'])}; "
@@ -239,6 +240,40 @@ def _deepspeed(ds: Facts, torch_version: str | None, host: str) -> Finding:
                     f"torch {torch_version}: its prebuilt ops may not load",
                     "reinstall DeepSpeed for this torch", host)  # fmt: skip
     return ok("deepspeed", f"DeepSpeed {ds['version']}, accelerator {ds['accelerator']}", host)
+
+
+def _deepspeed_cuda_ops(facts: Facts, host: str) -> list[Finding]:
+    """On a GPU node: whether DeepSpeed's FusedAdam (what a config's Adam/AdamW becomes on a GPU)
+    is prebuilt or cached, or must be compiled at the first step of a job, and whether it can be."""
+    ds, torch = facts.get("deepspeed"), facts["torch"]
+    if not ds or ds["error"] or not torch.get("cuda_available") or ds.get("nvcc") is None:
+        return []
+    check = "deepspeed cuda ops"
+    if any(op["name"] == "fused_adam" and op["installed"] for op in ds["ops"]):
+        return [ok(check, "FusedAdam is prebuilt into DeepSpeed", host)]
+    cached = [
+        e
+        for e in facts["extensions"]["entries"]
+        if e["name"] == "fused_adam"
+        and e.get("cuda")
+        and e["tag"] in (None, torch.get("ext_tag"))
+        and e["libraries"]
+        and not _stale(e, torch, None)
+    ]
+    if cached:
+        return [ok(check, f"FusedAdam is compiled in {cached[0]['path']}", host)]
+    nvcc, version = ds["nvcc"], ds["version"]
+    prebuild = (f"or pre-build DeepSpeed's CUDA ops once, on a node with the CUDA toolkit {torch['cuda']}: "
+                f"SAIL_DEEPSPEED_CUDA_OPS=1 bash scripts/setup.sh --backends (or DS_BUILD_FUSED_ADAM=1 "
+                f"DS_BUILD_CPU_ADAM=1 pip install --no-build-isolation deepspeed=={version}); or set "
+                '"optimizer": {"params": {"torch_adam": true}} in the config')  # fmt: skip
+    if nvcc["error"]:
+        return [warn(check, f"FusedAdam is not prebuilt and cannot be compiled here ({nvcc['error']}): a "
+                     "deepspeed job whose config has an Adam or AdamW optimizer stops at its first step",
+                     f"install the CUDA toolkit {torch['cuda']} (nvcc; set CUDA_HOME) on this node, {prebuild}",
+                     host)]  # fmt: skip
+    return [ok(check, f"FusedAdam is compiled at the first deepspeed job on this node (nvcc {nvcc['version']} "
+               f"in {nvcc['home']}, a minute or two, into {facts['extensions']['root']})", host)]  # fmt: skip
 
 
 def _network(facts: Facts, host: str) -> list[Finding]:

@@ -197,14 +197,16 @@ def extension_facts(torch_info: Facts) -> Facts:
 
 def _extension(directory: Path, tag: str | None) -> Facts:
     ninja = directory / "build.ninja"
-    include = None
+    include, cuda = None, False
     if ninja.is_file():
-        found = re.search(r"-isystem\s+(\S+/torch/include)\b", ninja.read_text(errors="replace"))
+        text = ninja.read_text(errors="replace")
+        found = re.search(r"-isystem\s+(\S+/torch/include)\b", text)
         include = os.path.realpath(found.group(1)) if found else None
+        cuda = bool(re.search(r"^nvcc\s*=", text, re.MULTILINE))  # torch writes an nvcc rule for CUDA sources
     libraries = sorted(str(p) for p in directory.glob("*.so"))
     built = max((Path(p).stat().st_mtime for p in libraries), default=None)
     return {"path": str(directory), "name": directory.name, "tag": tag, "torch_include": include,
-            "libraries": libraries, "built": built, "load_errors": {}}  # fmt: skip
+            "cuda": cuda, "libraries": libraries, "built": built, "load_errors": {}}  # fmt: skip
 
 
 def _load_errors(libraries: list[str]) -> dict[str, str]:
@@ -247,10 +249,25 @@ def deepspeed_facts(torch_info: Facts) -> Facts | None:
             ops = [{"name": name, "installed": bool(installed_ops.get(name, False)),
                     "compatible": bool(probe_is_compatible(builder, False))}
                    for name, builder in ALL_OPS.items()]  # fmt: skip
+            compiler = _cuda_compiler() if torch_info.get("cuda") else None
     except BaseException as err:
         return {"error": _error(err)}
     return {"error": None, "version": version, "accelerator": accelerator, "built_with": dict(built_with),
-            "ops": ops}  # fmt: skip
+            "ops": ops, "nvcc": compiler}  # fmt: skip
+
+
+def _cuda_compiler() -> Facts:
+    """The nvcc DeepSpeed would compile its CUDA ops with, judged by DeepSpeed's own check."""
+    from deepspeed.ops.op_builder.builder import assert_no_cuda_mismatch, installed_cuda_version
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    facts: Facts = {"home": CUDA_HOME, "version": None, "error": None}
+    try:
+        facts["version"] = "{}.{}".format(*installed_cuda_version())
+        assert_no_cuda_mismatch()
+    except Exception as err:  # MissingCUDAException, CUDAMismatchException
+        facts["error"] = str(err).lstrip(">- ").strip()
+    return facts
 
 
 def horovod_facts() -> Facts | None:

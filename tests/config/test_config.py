@@ -134,6 +134,32 @@ def test_bad_json_names_file_and_line(tmp_path: Path) -> None:
     assert f"{path}:4:1: not valid JSON" in message
 
 
+def test_a_key_given_twice_names_the_line_of_the_second(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    # the same key in two objects is fine; twice in one object, one of them would be dropped
+    path.write_text('{\n  "train_batch_size": 8,\n  "fp16": {"enabled": false},\n'
+                    '  "bf16": {\n    "enabled": true,\n    "enabled": false\n  }\n}\n')  # fmt: skip
+    message = error(path)
+    assert message.startswith(f"{path}:6: the key 'enabled' appears twice in one object")
+    assert "fix: keep one of them" in message
+    path.write_text('{"train_batch_size": 8,\n"train_batch_size": 16}')
+    assert error(path).startswith(f"{path}:2: the key 'train_batch_size' appears twice")
+
+
+@pytest.mark.parametrize(
+    ("key", "section", "value", "fix"),
+    [
+        ("sail.dist_backend", {"sail": {"dist_backend": "mpi"}}, "'mpi'", "use one of 'auto', 'nccl', 'gloo'"),
+        ("snn.step_mode", {"snn": {"step_mode": "multi"}}, "'multi'", "use one of 's', 'm' (or leave it out)"),
+        ("snn.encoding", {"snn": {"encoding": 1}}, "1", "use one of 'repeat', 'poisson'"),
+        ("snn.reset", {"snn": {"reset": None}}, "None", "use one of 'per_batch', 'off'"),
+    ],
+)  # fmt: skip
+def test_a_choice_outside_its_fields_values(key: str, section: dict[str, Any], value: str, fix: str) -> None:
+    message = error({**MICRO, **section})
+    assert message.startswith(f"<dict>: {key} is {value}") and f"fix: {fix}" in message
+
+
 def test_missing_file(tmp_path: Path) -> None:
     assert "does not exist" in error(tmp_path / "nope.json")
 

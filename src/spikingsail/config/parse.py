@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import types
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from spikingsail.config.checks import INT64_MAX, Range, check_number, reject_unknown
+from spikingsail.checks import INT64_MAX, Range, check_number, reject_unknown
 from spikingsail.config.schema import (
     BF16Config,
     CheckpointConfig,
@@ -71,15 +72,17 @@ INERT_DEEPSPEED_KEYS = frozenset(
     }
 )
 
-_SECTIONS: dict[str, type[Any]] = {
-    "fp16": FP16Config,
-    "bf16": BF16Config,
-    "bfloat16": BF16Config,
-    "optimizer": OptimizerConfig,
-    "scheduler": SchedulerConfig,
-    "sail": SailSection,
-    "checkpoint": CheckpointConfig,
-    "snn": SNNConfig,
+# The config table: every top-level section, its dataclass, and whether DeepSpeed reads it too
+# (the deepspeed backend hands DeepSpeed the file without the sections it does not).
+_SECTIONS: dict[str, tuple[type[Any], bool]] = {
+    "fp16": (FP16Config, True),
+    "bf16": (BF16Config, True),
+    "bfloat16": (BF16Config, True),
+    "optimizer": (OptimizerConfig, True),
+    "scheduler": (SchedulerConfig, True),
+    "sail": (SailSection, False),
+    "checkpoint": (CheckpointConfig, False),  # DeepSpeed's keys in it are accepted; SpikingSail saves
+    "snn": (SNNConfig, False),
 }
 _SCALARS: dict[str, type[Any]] = {
     "gradient_clipping": float,
@@ -88,6 +91,8 @@ _SCALARS: dict[str, type[Any]] = {
 # Sections read and validated by the backend they belong to (when it is chosen).
 BACKEND_SECTIONS = frozenset({"horovod"})
 TOP_LEVEL_KEYS = frozenset({*BATCH_KEYS, *_SECTIONS, *_SCALARS, *BACKEND_SECTIONS, "zero_optimization"})
+NOT_FOR_DEEPSPEED = frozenset({*(name for name, (_, ds) in _SECTIONS.items() if not ds), *BACKEND_SECTIONS})
+"""The sections the deepspeed backend leaves out of what it hands ``deepspeed.initialize``."""
 
 
 def load_config(source: str | Path | dict[str, Any] | None, world_size: int) -> SailConfig:
@@ -102,7 +107,7 @@ def load_config(source: str | Path | dict[str, Any] | None, world_size: int) -> 
         )
     sections = {
         name.replace("bfloat16", "bf16"): _build(cls, raw[name], where, name)
-        for name, cls in _SECTIONS.items()
+        for name, (cls, _) in _SECTIONS.items()
         if name in raw
     }
     top = {f.name: f for f in dataclasses.fields(SailConfig)}
@@ -140,17 +145,64 @@ def _read(source: str | Path | dict[str, Any] | None) -> tuple[dict[str, Any], s
             "--sail-config / --deepspeed_config must name a JSON file",
             "check the path, or pass a dict to spikingsail.initialize(config=...)",
         )
+    text = path.read_text()
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as err:
         raise ConfigError(
             f"{path}:{err.lineno}:{err.colno}: not valid JSON",
             err.msg,
             "fix the JSON at that line (trailing commas and comments are not allowed)",
         ) from None
+    except _DuplicateKeyError as err:
+        raise ConfigError(
+            f"{path}:{_line_of_second(text, err.key)}: the key '{err.key}' appears twice in one object",
+            "JSON readers keep only the last one, so the other would be ignored without a word",
+            "keep one of them",
+        ) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the config must be a JSON object", f"found {type(raw).__name__}")
     return raw, str(path)
+
+
+class _DuplicateKeyError(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def _line_of_second(text: str, key: str) -> int:
+    """The line where a JSON object (already known to be valid) repeats ``key``, 1-based."""
+    objects: list[set[str]] = []
+    string = re.compile(r'"(?:[^"\\]|\\.)*"')
+    i = 0
+    while i < len(text):
+        char = text[i]
+        if char == "{":
+            objects.append(set())
+        elif char == "}":
+            objects.pop()
+        elif char == '"':
+            end = string.match(text, i).end()  # type: ignore[union-attr]  # valid JSON: a string ends
+            name = json.loads(text[i:end])
+            is_key = text[end:].lstrip().startswith(":") and objects
+            if is_key and name == key and name in objects[-1]:
+                return text.count("\n", 0, i) + 1
+            if is_key:
+                objects[-1].add(name)
+            i = end
+            continue
+        i += 1
+    return 1
 
 
 def _build(cls: type[Any], raw: Any, where: str, name: str) -> Any:
@@ -190,31 +242,52 @@ def _value(value: Any, hint: Any, declared: dataclasses.Field[Any], where: str, 
 
 def _coerce(value: Any, hint: Any, where: str, key: str) -> Any:
     """Check one JSON value against a field type; ints are accepted where floats are expected."""
-    origin = get_origin(hint)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in get_args(hint):
+    optional = get_origin(hint) in (Union, types.UnionType) and type(None) in get_args(hint)
+    if optional:
+        if value is None:
             return None
-        (inner,) = (a for a in get_args(hint) if a is not type(None))
-        return _coerce(value, inner, where, key)
-    if origin is dict:
-        if isinstance(value, dict):
-            return dict(value)
-    elif hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
+        (hint,) = (a for a in get_args(hint) if a is not type(None))
+    if get_origin(hint) is Literal:
+        return _choice(value, get_args(hint), where, key, optional)
+    converted = _scalar(value, hint)
+    if converted is _WRONG_TYPE:
+        expected = getattr(hint, "__name__", str(hint)).replace("dict", "object")
+        raise ConfigError(f"{where}: '{key}' must be {expected}", f"found {value!r}")
+    return converted
+
+
+_WRONG_TYPE = object()
+
+
+def _scalar(value: Any, hint: Any) -> Any:
+    """``value`` as ``hint`` (a JSON object, bool, int, float or str), or ``_WRONG_TYPE``."""
+    if get_origin(hint) is dict:
+        return dict(value) if isinstance(value, dict) else _WRONG_TYPE
+    if hint is bool:
+        return value if isinstance(value, bool) else _WRONG_TYPE
+    if isinstance(value, bool):
+        return _WRONG_TYPE
+    if hint is int:
+        if isinstance(value, int):
             return value
         # 1e3 or 1000.0 in a DeepSpeed file: DeepSpeed reads a whole float as an integer
         if isinstance(value, float) and math.isfinite(value) and value.is_integer():
             return int(value)
     elif hint is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
+        if isinstance(value, int | float):
             return float(value)
     elif hint is str and isinstance(value, str):
         return value
-    expected = getattr(hint, "__name__", str(hint)).replace("dict", "object")
-    raise ConfigError(f"{where}: '{key}' must be {expected}", f"found {value!r}")
+    return _WRONG_TYPE
+
+
+def _choice(value: Any, allowed: tuple[Any, ...], where: str, key: str, optional: bool) -> Any:
+    if value in allowed and isinstance(value, str):
+        return value
+    raise ConfigError(
+        f"{where}: {key} is {value!r}",
+        fix=f"use one of {', '.join(repr(a) for a in allowed)}" + (" (or leave it out)" if optional else ""),
+    )
 
 
 def _resolve_batch(raw: dict[str, Any], world_size: int, where: str) -> tuple[int, int, int]:
@@ -258,7 +331,7 @@ def _show(given: dict[str, int]) -> str:
 
 
 def _check_semantics(config: SailConfig) -> None:
-    """What one key's type and range cannot say: choices, paths, and keys that must agree."""
+    """What one key's type and range cannot say: names, paths, and keys that must agree."""
     where = config.source
     if config.fp16.enabled and config.bf16.enabled:
         raise ConfigError(
@@ -270,22 +343,11 @@ def _check_semantics(config: SailConfig) -> None:
         optimizers.resolve_optimizer(config.optimizer, where)
     if config.scheduler is not None:
         schedulers.check_scheduler(config.scheduler, where)
-    _check_choices(config)
+    _check_paths(config)
     _check_checkpoint(config)
 
 
-def _check_choices(config: SailConfig) -> None:
-    snn = config.snn
-    for key, value, allowed in (("sail.dist_backend", config.sail.dist_backend, ("auto", "nccl", "gloo")),
-                                ("snn.reset", snn.reset, ("per_batch", "off")),
-                                ("snn.step_mode", snn.step_mode, (None, "s", "m")),
-                                ("snn.encoding", snn.encoding, ("repeat", "poisson"))):  # fmt: skip
-        if value not in allowed:
-            raise ConfigError(
-                f"{config.source}: {key} is {value!r}",
-                fix=f"use one of {', '.join(repr(a) for a in allowed if a is not None)}"
-                + (" (or leave it out)" if None in allowed else ""),
-            )
+def _check_paths(config: SailConfig) -> None:
     metrics = config.sail.metrics_path
     if metrics is not None and not metrics.strip():
         raise ConfigError(f"{config.source}: sail.metrics_path is {metrics!r}", "it must name a file",

@@ -1,15 +1,17 @@
 """Typed training config: DeepSpeed's keys with DeepSpeed's meaning, plus a ``sail`` section of our own.
 
-Each section is a frozen dataclass whose fields are the keys it accepts; ``spikingsail.config.parse``
-builds them from JSON and is the only place that validates user input.
+Each section is a frozen dataclass whose fields are the keys it accepts: a field's type says its
+allowed values (``Literal`` for a choice) and its metadata the range of a number.
+``spikingsail.config.parse`` builds the sections from JSON and is the only place that validates
+user input.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from spikingsail.config.checks import FLOAT32_MAX, INT64_MAX, Range
+from spikingsail.checks import FLOAT32_MAX, INT64_MAX, Range
 
 MAX_TIMEOUT_MINUTES = 100 * 365 * 24 * 60
 # The consumers' bounds, with the reason a message gives when a value is outside them.
@@ -124,15 +126,15 @@ class CheckpointConfig:
 class SNNConfig:
     enabled: bool | None = None
     """None: on when the model has spiking neurons (spikingjelly); false: no SNN handling at all."""
-    reset: str = "per_batch"
+    reset: Literal["per_batch", "off"] = "per_batch"
     """per_batch: the engine resets neuron state between batches and micro-batches; off: the script does."""
-    step_mode: str | None = None
+    step_mode: Literal["s", "m"] | None = None
     """Set every spiking layer to 's' (one time step per call) or 'm' ([T, N, ...] per call); None keeps the model's."""
     time_steps: int = ranged(
         4, Range(1, INT64_MAX, integer=True, why="it is the length of a tensor dimension")
     )
     """T for engine.encode()."""
-    encoding: str = "repeat"
+    encoding: Literal["repeat", "poisson"] = "repeat"
     """How engine.encode() makes [T, N, ...] from a static input: repeat (direct) or poisson (rate)."""
     sync_batchnorm: bool = False
     """Synchronise batch-norm statistics across ranks, over T × N samples in multi-step mode."""
@@ -142,7 +144,7 @@ class SNNConfig:
 class SailSection:
     backend: str = "ddp"
     """Which engine backend runs the job (see ``spikingsail.backends.available()``)."""
-    dist_backend: str = "auto"
+    dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend: auto (nccl with CUDA, gloo otherwise), nccl or gloo."""
     seed: int | None = ranged(None, _SEED)
     """Seed python, numpy and torch on every rank before the model is wrapped."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from spikingsail.config.checks import INT64_MAX, Range, check_number, reject_unknown
+from spikingsail.checks import INT64_MAX, Range, check_number, reject_unknown
 from spikingsail.config.schema import ZeroConfig
 from spikingsail.errors import ConfigError
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from spikingsail.config.checks import FLOAT32_MAX, Range, check_number
+from spikingsail.checks import FLOAT32_MAX, Range, check_number
 from spikingsail.errors import ConfigError
 
 # torch applies these as scalars to float32 tensors; a larger one fails inside the first step.

@@ -28,10 +28,8 @@ from spikingsail.config.schema import (
 )
 from spikingsail.config.zero import build_zero
 from spikingsail.errors import ConfigError
-
-# Modules, not their functions: spikingsail.optim imports the schema, so importing optim first
-# runs this module while optim is half-initialised.
-from spikingsail.optim import optimizers, schedulers
+from spikingsail.optim.optimizers import resolve_optimizer
+from spikingsail.optim.schedulers import check_scheduler
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _BATCH_RANGE = Range(1, INT64_MAX, integer=True, why="batch sizes and steps are ≥ 1, and the loss is divided "
@@ -340,9 +338,9 @@ def _check_semantics(config: SailConfig) -> None:
             "keep bf16 on GPUs that support it (A100, H100), fp16 otherwise (V100)",
         )
     if config.optimizer is not None:
-        optimizers.resolve_optimizer(config.optimizer, where)
+        resolve_optimizer(config.optimizer, where)
     if config.scheduler is not None:
-        schedulers.check_scheduler(config.scheduler, where)
+        check_scheduler(config.scheduler, where)
     _check_paths(config)
     _check_checkpoint(config)
 

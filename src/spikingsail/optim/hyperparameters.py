@@ -8,10 +8,20 @@ the message: ``optimizer.params.betas``, ``scheduler.params.cycle_first_step_siz
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from spikingsail.checks import FLOAT32_MAX, Range, check_number
 from spikingsail.errors import ConfigError
+
+
+class NamedSection(Protocol):
+    """A config's ``optimizer`` or ``scheduler`` section: a type name and its keyword arguments."""
+
+    @property
+    def type(self) -> str: ...
+    @property
+    def params(self) -> Mapping[str, Any]: ...
+
 
 # torch applies these as scalars to float32 tensors; a larger one fails inside the first step.
 _IN_FLOAT32 = "torch applies it to float32 tensors, so it must be a float32 number"

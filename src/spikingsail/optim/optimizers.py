@@ -12,9 +12,8 @@ from typing import Any
 
 import torch
 
-from spikingsail.config.schema import OptimizerConfig
 from spikingsail.errors import ConfigError
-from spikingsail.optim.hyperparameters import checked_optimizer_params
+from spikingsail.optim.hyperparameters import NamedSection, checked_optimizer_params
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam,
@@ -30,9 +29,7 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 _DEEPSPEED_SWITCHES = {"adam_w_mode", "torch_adam", "fused"}
 
 
-def resolve_optimizer(
-    config: OptimizerConfig, where: str
-) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+def resolve_optimizer(config: NamedSection, where: str) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """The torch class and keyword arguments a config names; raises ``ConfigError`` if it cannot."""
     name = config.type.lower()
     if name not in OPTIMIZERS:
@@ -65,7 +62,7 @@ def resolve_optimizer(
 
 
 def build_optimizer(
-    config: OptimizerConfig, parameters: Iterable[torch.nn.Parameter], where: str
+    config: NamedSection, parameters: Iterable[torch.nn.Parameter], where: str
 ) -> torch.optim.Optimizer:
     cls, params = resolve_optimizer(config, where)
     parameters = list(parameters)

@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 
-from spikingsail.config.schema import SchedulerConfig
 from spikingsail.errors import ConfigError
-from spikingsail.optim.hyperparameters import checked_scheduler_params
+from spikingsail.optim.hyperparameters import NamedSection, checked_scheduler_params
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +201,7 @@ SCHEDULERS: dict[str, type[IterationSchedule]] = {
 }
 
 
-def check_scheduler(config: SchedulerConfig, where: str) -> type[IterationSchedule]:
+def check_scheduler(config: NamedSection, where: str) -> type[IterationSchedule]:
     cls = SCHEDULERS.get(config.type.lower())
     if cls is None:
         raise ConfigError(
@@ -230,9 +229,7 @@ def check_scheduler(config: SchedulerConfig, where: str) -> type[IterationSchedu
     return cls
 
 
-def build_scheduler(
-    config: SchedulerConfig, optimizer: torch.optim.Optimizer, where: str
-) -> IterationSchedule:
+def build_scheduler(config: NamedSection, optimizer: torch.optim.Optimizer, where: str) -> IterationSchedule:
     cls = check_scheduler(config, where)
     try:
         return cls(optimizer, **checked_scheduler_params(config.params, where))

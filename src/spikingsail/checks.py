@@ -89,12 +89,18 @@ def _show(number: float) -> str:
     return f"{number:g}" if isinstance(number, float) else str(number)
 
 
+def closest(key: str, valid: Collection[str]) -> str | None:
+    """The valid name a mistyped ``key`` most likely meant, if one is close: the "did you mean"."""
+    close = difflib.get_close_matches(key, list(valid), n=1)
+    return close[0] if close else None
+
+
 def reject_unknown(raw: dict[str, Any], valid: Collection[str], where: str, scope: str) -> None:
     """A ``ConfigError`` for the first key of ``raw`` not in ``valid``, with a "did you mean"."""
     for key in raw:
         if key not in valid:
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
+            close = closest(key, valid)
+            hint = f"did you mean '{close}'? " if close else ""
             raise ConfigError(
                 f"{where}: unknown key '{key}' in {scope}",
                 "SpikingSail rejects keys it does not know so that a typo never goes unnoticed",

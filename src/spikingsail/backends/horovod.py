@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import difflib
 import importlib
 import logging
 import os
@@ -66,6 +65,7 @@ from spikingsail.backends.process_group import (
     leave_process_group,
     select_device,
 )
+from spikingsail.checks import closest
 from spikingsail.config.schema import SailConfig
 from spikingsail.environments import RankInfo
 from spikingsail.environments.horovod import store_agreed_by_horovod
@@ -102,11 +102,11 @@ def horovod_options(config: SailConfig) -> HorovodOptions:
         )
     for key in section:
         if key not in _KEYS:
-            close = difflib.get_close_matches(str(key), _KEYS, n=1)
+            close = closest(str(key), _KEYS)
             raise ConfigError(
                 f"{where}: {SECTION}.{key} is not a Horovod option",
                 f"the {SECTION} section takes {', '.join(_KEYS)}",
-                f"did you mean {SECTION}.{close[0]}?" if close else f"remove {SECTION}.{key}",
+                f"did you mean {SECTION}.{close}?" if close else f"remove {SECTION}.{key}",
             )
     compression = _choice(
         section, "compression", COMPRESSIONS, where, "how gradients travel in the all-reduce"

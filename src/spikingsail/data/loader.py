@@ -3,13 +3,14 @@ position in the epoch is kept (in samples, over all ranks) so that a checkpoint 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from spikingsail.data.sampler import ResumableShardSampler
+from spikingsail.data.sampler import BalancedBatchSampler, ResumableShardSampler
 from spikingsail.tensors import map_tensors
 
 
@@ -39,22 +40,34 @@ class ShardedLoader:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         on_batch: Callable[[], None] | None = None,
         device: torch.device | None = None,
+        shares: Callable[[], Sequence[int]] | None = None,
         **loader_kwargs: Any,
     ) -> None:
         """``on_batch`` runs before each batch is handed out (the engine resets spiking neurons there).
         ``device``: every tensor of a batch (inputs and labels alike, in any nesting of lists,
         tuples and dicts) is moved there before it is handed out, as Accelerate's and Fabric's
-        loaders do; None leaves batches where the dataset made them."""
+        loaders do; None leaves batches where the dataset made them. ``shares``: unequal per-rank
+        micro-batches (``BalancedBatchSampler``), asked for the current split at every global
+        micro-batch; ``batch_size`` is then unused and ``share`` tells each batch's part of its
+        global micro-batch."""
         self.on_batch = on_batch
         self.device = device
         length = len(dataset)  # type: ignore[arg-type]
-        self.sampler: ResumableShardSampler | ExactShardSampler = (
-            ResumableShardSampler(
+        self.sampler: ResumableShardSampler | ExactShardSampler | BalancedBatchSampler
+        if shares is not None:
+            self.sampler = BalancedBatchSampler(length, shares, rank=rank, world_size=world_size,
+                                                shuffle=shuffle, seed=seed, drop_last=drop_last)  # fmt: skip
+        elif pad:
+            self.sampler = ResumableShardSampler(
                 length, rank=rank, world_size=world_size, shuffle=shuffle, seed=seed, drop_last=drop_last
             )
-            if pad
-            else ExactShardSampler(length, rank=rank, world_size=world_size)
-        )
+        else:
+            self.sampler = ExactShardSampler(length, rank=rank, world_size=world_size)
+        self._blocks: deque[tuple[int, int]] = (
+            deque()
+        )  # (samples, block size) of batches handed to the loader
+        self.share: tuple[int, int] | None = None
+        """With ``shares``: (this rank's samples, the global micro-batch's) of the batch last handed out."""
         self.batch_size = batch_size
         self.world_size = world_size
         self.position = 0
@@ -64,11 +77,14 @@ class ShardedLoader:
         # (dropout). A generator of the loader's own keeps the global stream untouched.
         self._own_generator = "generator" not in loader_kwargs
         self._generator = loader_kwargs.pop("generator", None) or torch.Generator()
+        batching: dict[str, Any] = (
+            {"batch_sampler": _RecordedBlocks(self.sampler, self._blocks)}
+            if isinstance(self.sampler, BalancedBatchSampler)
+            else {"batch_size": batch_size, "sampler": self.sampler, "drop_last": drop_last}
+        )
         self.loader: DataLoader[Any] = DataLoader(
             dataset,
-            batch_size=batch_size,
-            sampler=self.sampler,
-            drop_last=drop_last,
+            **batching,
             num_workers=num_workers,
             pin_memory=pin_memory,
             collate_fn=collate_fn,
@@ -93,12 +109,16 @@ class ShardedLoader:
         self.sampler.set_epoch(self.epoch)
         if self._own_generator:
             self._generator.manual_seed(self.seed * 1_000_003 + self.epoch)
-        if isinstance(self.sampler, ResumableShardSampler):
+        if isinstance(self.sampler, ResumableShardSampler | BalancedBatchSampler):
             self.sampler.start = self.position
         step = self.batch_size * self.world_size
+        self._blocks.clear()
         for batch in self.loader:
             if self._active is not token:
                 return  # a newer pass (or a load) took over from this one
+            if isinstance(self.sampler, BalancedBatchSampler):
+                self.share = self._blocks.popleft()
+                step = self.share[1]
             self.position += step
             if self.on_batch is not None:
                 self.on_batch()
@@ -149,3 +169,19 @@ class ExactShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+class _RecordedBlocks(Sampler[list[int]]):
+    """A ``BalancedBatchSampler``'s batches, noting each one's share as the DataLoader takes it
+    (ahead of use when workers prefetch; the loader pops them in the same order)."""
+
+    def __init__(self, sampler: BalancedBatchSampler, record: deque[tuple[int, int]]) -> None:
+        self.sampler, self.record = sampler, record
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for indices, block in self.sampler.blocks():
+            self.record.append((len(indices), block))
+            yield indices
+
+    def __len__(self) -> int:
+        return len(self.sampler)

@@ -10,7 +10,7 @@ with the same global batch, every optimizer step sees the same samples.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch.utils.data import Sampler
@@ -57,3 +57,82 @@ class ResumableShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(range(self.start + self.rank, self.total, self.world_size))
+
+
+def split_batch(total: int, weights: Sequence[float]) -> list[int]:
+    """Integer shares of ``total`` samples in proportion to ``weights``: each at least 1, summing to
+    ``total`` (largest remainders get the leftover samples; ties go to the lower rank). Every rank
+    computes the same shares from the same weights."""
+    count = len(weights)
+    if count == 0 or total < count:
+        raise ValueError(f"cannot split {total} sample(s) over {count} rank(s) with at least one each")
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ValueError(f"weights must be finite and positive, got {list(weights)}")
+    scale = total / math.fsum(weights)
+    ideal = [w * scale for w in weights]
+    shares = [max(1, math.floor(x)) for x in ideal]
+    by_excess = sorted(range(count), key=lambda i: (ideal[i] - shares[i], i))  # most over their ideal first
+    while sum(shares) > total:  # the floor of 1 took samples from the others
+        i = next(i for i in by_excess if shares[i] > 1)
+        shares[i] -= 1
+        by_excess = sorted(range(count), key=lambda i: (ideal[i] - shares[i], i))
+    for i in sorted(range(count), key=lambda i: (-(ideal[i] - shares[i]), i))[: total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+class BalancedBatchSampler(Sampler[list[int]]):
+    """This rank's batches when ranks take unequal shares of every global micro-batch.
+
+    The epoch's global order is ``ResumableShardSampler``'s (so DistributedSampler's); it is read in
+    consecutive blocks of one global micro-batch (the sum of the shares), and rank r takes the
+    r-th slice of each block. A block holds the same samples as with equal shares, whatever the
+    split, so a step sees the samples it would on one process. ``shares()`` is asked at the start
+    of every block: a new split takes effect at the next block on every rank alike. A last block
+    shorter than a global micro-batch is split in the same proportions; it is dropped with
+    ``drop_last``, and when it has fewer samples than there are ranks. ``blocks()`` gives each
+    batch with the size of its block, which the loss weighting needs.
+    """
+
+    def __init__(
+        self,
+        length: int,
+        shares: Callable[[], Sequence[int]],
+        *,
+        rank: int,
+        world_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        self.order = ResumableShardSampler(
+            length, rank=rank, world_size=world_size, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
+        self.shares, self.rank, self.drop_last = shares, rank, drop_last
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.order.set_epoch(epoch)
+
+    def blocks(self) -> Iterator[tuple[list[int], int]]:
+        """(this rank's indices, the block's size) for every block from ``start`` to the epoch's end."""
+        order, total, position = self.order.global_order(), self.order.total, self.start
+        while position < total:
+            shares = list(self.shares())
+            block = sum(shares)
+            if position + block > total:
+                block = total - position
+                if self.drop_last or block < len(shares):
+                    return
+                shares = split_batch(block, shares)
+            offset = position + sum(shares[: self.rank])
+            yield order[offset : offset + shares[self.rank]], block
+            position += block
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (indices for indices, _ in self.blocks())
+
+    def __len__(self) -> int:
+        shares = self.shares()
+        full, rest = divmod(max(self.order.total - self.start, 0), sum(shares))
+        return full + int(not self.drop_last and rest >= len(shares))

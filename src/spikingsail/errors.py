@@ -37,3 +37,7 @@ class BackendError(SailError):
 
 class LaunchError(SailError):
     """`sail launch` was asked for something it cannot start."""
+
+
+class CheckpointError(SailError):
+    """A checkpoint is missing, incomplete or corrupt, or cannot be written or resumed here."""

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 import spikingsail
 from spikingsail.checkpoint import dcp_io
-from spikingsail.checkpoint.store import CheckpointError
+from spikingsail.errors import CheckpointError
 from spikingsail.environments import RankInfo
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from spikingsail.checkpoint.lock import LOCK_NAME, STALE_SECONDS, Holder, JobLock
-from spikingsail.checkpoint.store import CheckpointError
+from spikingsail.errors import CheckpointError
 from tests.cluster.harness import processes_with
 
 SAIL = [sys.executable, "-m", "spikingsail.cli.main", "launch"]

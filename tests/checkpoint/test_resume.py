@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import spikingsail
-from spikingsail.checkpoint.store import CheckpointError
+from spikingsail.errors import CheckpointError
 from spikingsail.environments import RankInfo
 from tests.multiprocess import run_ranks
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import spikingsail
-from spikingsail.checkpoint.store import CheckpointError, CheckpointStore
+from spikingsail.checkpoint.store import CheckpointStore
+from spikingsail.errors import CheckpointError
 from spikingsail.environments import RankInfo
 
 
@@ -192,7 +193,8 @@ def test_automatic_saves_land_on_step_boundaries_with_accumulation(tmp_path: Pat
 
 FULL_DISK = """
 import resource, signal, sys, torch, spikingsail
-from spikingsail.checkpoint.store import CheckpointError, CheckpointStore
+from spikingsail.checkpoint.store import CheckpointStore
+from spikingsail.errors import CheckpointError
 from spikingsail.environments import RankInfo
 config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
           "sail": {"progress_bar": False}}

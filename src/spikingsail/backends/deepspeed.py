@@ -26,10 +26,9 @@ import torch.distributed as dist
 from torch.distributed import HashStore  # type: ignore[attr-defined]  # public, not re-exported in stubs
 
 from spikingsail.backends.process_group import ProcessGroupBackend, dist_backend_for
-from spikingsail.checkpoint.store import CheckpointError
 from spikingsail.config.parse import INERT_DEEPSPEED_KEYS
 from spikingsail.engine.precision import native_bf16
-from spikingsail.errors import BackendError
+from spikingsail.errors import BackendError, CheckpointError
 from spikingsail.tensors import map_tensors
 
 if TYPE_CHECKING:

@@ -20,10 +20,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from spikingsail.backends.process_group import ProcessGroupBackend
-from spikingsail.checkpoint.store import CheckpointError
 from spikingsail.config.schema import SailConfig
 from spikingsail.environments import RankInfo
-from spikingsail.errors import BackendError
+from spikingsail.errors import BackendError, CheckpointError
 
 
 class FSDPBackend(ProcessGroupBackend):

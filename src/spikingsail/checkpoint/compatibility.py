@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from spikingsail.checkpoint.store import CheckpointError
+from spikingsail.errors import CheckpointError
 
 SPLIT = ("world_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 """How train_batch_size is divided: may change on a step boundary (re-counted exactly)."""

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from spikingsail.checkpoint.store import CheckpointError
+from spikingsail.errors import CheckpointError
 
 METADATA = ".metadata"
 _DCP_CLASSES = {

@@ -1,10 +1,16 @@
-"""What an engine checkpoint holds, and how every rank writes and reads its part.
+"""What a checkpoint holds, and how every rank writes and reads its part.
 
-Model and optimizer state go through torch.distributed.checkpoint into ``state/`` (each replicated
-tensor written once, by one of the ranks; sharded state by its owners). The rest of the engine's
-state (scheduler, loss scaler, counters, data positions, config, client state) is written once by
-rank 0 into ``engine.pt``; each rank writes its own RNG states and, when the save falls inside an
-accumulation window, its own partial gradients. Everything is read back with
+The checkpoint package does not know the engine. A save or load is handed a ``TrainingState``:
+the module and optimizer, the backend (which writes their state in its own format), the config,
+and a dict of ``Stateful`` objects (torch.distributed.checkpoint's protocol: the step counters,
+loss scaler, scheduler, optimizer hyper-parameters, data positions).
+
+Model and optimizer state go through the backend into ``state/`` (DCP: each replicated tensor
+written once, by one of the ranks; sharded state by its owners). The union of the ``Stateful``
+objects' state dicts, with the config and client state, is written once by rank 0 into
+``engine.pt``; each rank writes its own RNG states and, when the save falls inside an accumulation
+window, its own partial gradients. A resume compares the saved config with the current one
+(``compatibility.py``) before anything is restored. Everything is read back with
 ``torch.load(weights_only=True)`` or DCP's reader with an allow-listed unpickler: a checkpoint
 directory can never run code on load.
 """
@@ -15,28 +21,92 @@ import dataclasses
 import json
 import logging
 import random
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 
 from spikingsail.checkpoint import dcp_io
 from spikingsail.checkpoint.compatibility import check_resumable
-from spikingsail.checkpoint.store import CheckpointError, CheckpointStore, seal
-
-if TYPE_CHECKING:
-    from spikingsail.backends.base import Backend
-    from spikingsail.engine.engine import Engine
+from spikingsail.checkpoint.store import CheckpointStore, seal
+from spikingsail.config.schema import SailConfig
+from spikingsail.environments import RankInfo
+from spikingsail.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 _FAILED = "<failed>"
 STATE_DIR = "state"
 """Model and optimizer state, written through torch.distributed.checkpoint."""
 _ALLOWED = (torch.Tensor, int, float, str, bool, bytes, type(None))
+
+
+class StateBackend(Protocol):
+    """What a checkpoint asks of a parallelism backend (``spikingsail.backends.base.Backend``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def checkpoint_format(self) -> str:
+        """How model and optimizer state is written; checkpoints load only into the same format."""
+
+    def check_can_save(self, mid_window: bool) -> None: ...
+
+    def check_can_load(self, directory: Path, saved_world_size: int) -> None: ...
+
+    def save_state(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        directory: Path,
+        group: dist.ProcessGroup | None,
+        background: bool,
+    ) -> Future[Any] | None: ...
+
+    def load_state(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        directory: Path,
+        group: dist.ProcessGroup | None,
+    ) -> None: ...
+
+    def own_state_files(self, directory: Path, rank: int) -> list[Path]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingState:
+    """Everything a checkpoint saves of a run, and restores into it."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    """None on load: the weights without the optimizer's state."""
+    backend: StateBackend
+    config: SailConfig
+    rank_info: RankInfo
+    device: torch.device
+    states: Mapping[str, Stateful]
+    """``engine.pt`` holds the union of their state dicts (so their keys must differ), among them the
+    step counters ``global_steps``, ``micro_steps`` and ``gradient_accumulation_steps``; on load each
+    is given the whole dict, in this mapping's order."""
+
+
+def merged_state_dict(states: Mapping[str, Stateful]) -> dict[str, Any]:
+    """The union of the state dicts of ``states``, which must not share keys."""
+    merged: dict[str, Any] = {}
+    for name, stateful in states.items():
+        entries = stateful.state_dict()
+        clash = merged.keys() & entries.keys()
+        if clash:
+            raise ValueError(f"state {name!r} repeats the checkpoint entries {sorted(clash)}")
+        merged.update(entries)
+    return merged
 
 
 @dataclass(frozen=True)
@@ -52,7 +122,7 @@ class SaveHandle:
 
 
 def save(
-    engine: Engine,
+    training: TrainingState,
     save_dir: str | Path,
     tag: str | None,
     client_state: dict[str, Any] | None,
@@ -67,36 +137,33 @@ def save(
     """
     client_state = dict(client_state or {})
     _check_client_state(client_state, "client_state")
-    tag = tag or f"global_step{engine.global_steps}"
-    backend = engine.backend
-    backend.check_can_save(bool(engine.micro_steps % engine.gradient_accumulation_steps()))
+    if training.optimizer is None:
+        raise ValueError("a checkpoint saves the optimizer's state: TrainingState.optimizer is None")
+    entries = merged_state_dict(training.states)
+    tag = tag or f"global_step{entries['global_steps']}"
+    backend = training.backend
+    mid_window = bool(entries["micro_steps"] % entries["gradient_accumulation_steps"])
+    backend.check_can_save(mid_window)
     store = CheckpointStore(save_dir)
-    rank = engine.rank
+    rank, world_size = training.rank_info.rank, training.rank_info.world_size
     if rank == 0:
         store.prepare(tag)
     _barrier()
     staging = store.staging(tag)
-    (staging / "rng").mkdir(exist_ok=True)
-    torch.save(capture_rng(engine.device), staging / "rng" / f"rank{rank}.pt")
-    if engine.micro_steps % engine.gradient_accumulation_steps():
-        (staging / "grads").mkdir(exist_ok=True)
-        grads = {name: p.grad for name, p in engine.module.named_parameters() if p.grad is not None}
-        torch.save(grads, staging / "grads" / f"rank{rank}.pt")
-    if rank == 0:
-        torch.save(_engine_state(engine, client_state), staging / "engine.pt")
-    metadata = {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                "world_size": engine.world_size}  # fmt: skip
-    keep_last = engine.config.checkpoint.keep_last
+    _write_own_files(training, staging, entries, client_state, mid_window=mid_window)
+    metadata = {"global_steps": entries["global_steps"], "micro_steps": entries["micro_steps"],
+                "world_size": world_size}  # fmt: skip
+    keep_last = training.config.checkpoint.keep_last
 
     def commit() -> None:
         # Each rank fsyncs and hashes what it wrote (in parallel across ranks and threads);
         # rank 0 seals the checkpoint with everyone's manifest entries.
         # A rank that fails still takes part in the gather, so that no rank waits for it forever.
         try:
-            entries: dict[str, Any] = seal(staging, _files_written_by(staging, rank, backend))
+            own: dict[str, Any] = seal(staging, _files_written_by(staging, rank, backend))
         except OSError as err:
-            entries = {_FAILED: f"rank {rank}: {err}"}
-        sealed = _gather_everywhere(entries, group)
+            own = {_FAILED: f"rank {rank}: {err}"}
+        sealed = _gather_everywhere(own, group)
         failed = sealed.get(_FAILED)
         if failed:
             raise CheckpointError(
@@ -107,7 +174,7 @@ def save(
             store.prune(keep_last)
 
     done: Future[None] = Future()
-    upload = backend.save_state(engine.module, engine.optimizer, staging / STATE_DIR, group, background)
+    upload = backend.save_state(training.module, training.optimizer, staging / STATE_DIR, group, background)
     if upload is None:
         commit()
         _barrier()
@@ -128,67 +195,68 @@ def save(
 
 
 def load(
-    engine: Engine,
-    load_dir: str | Path,
-    tag: str | None,
-    load_optimizer_states: bool = True,
-    *,
-    group: dist.ProcessGroup | None,
-    module_only: bool = False,
+    training: TrainingState, load_dir: str | Path, tag: str | None, *, group: dist.ProcessGroup | None
 ) -> tuple[Path, dict[str, Any]]:
     """Collective: every rank calls it. Returns (checkpoint directory, client_state).
 
-    ``module_only`` reads the weights alone, for a new run that starts from them (no counters,
-    optimizer, scheduler, data position or config check)."""
-    store = CheckpointStore(load_dir)
-    chosen = [store.resolve(tag) if engine.rank == 0 else None]
-    if dist.is_initialized():
-        dist.broadcast_object_list(chosen, src=0)
-    path = store.root / str(chosen[0])
-    state = _load(path / "engine.pt")
-    _check_format(engine, path, state)
-    if module_only:
-        engine.backend.load_state(engine.module, None, path / STATE_DIR, group)
-        _barrier()
-        return path, dict(state["client_state"])
-    saved_world = int(state["world_size"])
-    partial_window = bool(state["micro_steps"] % state["gradient_accumulation_steps"])
-    current = json.loads(json.dumps(dataclasses.asdict(engine.config), default=str))
-    saved_config = json.loads(state["config"]) if "config" in state else {}
+    A resume continues the saved run: the config must allow it (``check_resumable``), then the
+    model and optimizer state, every ``Stateful``, the random streams and (inside an accumulation
+    window) the partial gradients are restored."""
+    path, saved = _choose(training, load_dir, tag)
+    saved_world = int(saved["world_size"])
+    rank, world_size = training.rank_info.rank, training.rank_info.world_size
+    partial_window = bool(saved["micro_steps"] % saved["gradient_accumulation_steps"])
+    current = json.loads(json.dumps(dataclasses.asdict(training.config), default=str))
+    saved_config = json.loads(saved["config"]) if "config" in saved else {}
     check_resumable(path, saved_config, current, partial_window=partial_window,
-                    with_optimizer=load_optimizer_states)  # fmt: skip
-    engine.backend.check_can_load(path, saved_world)
-    engine.backend.load_state(
-        engine.module, engine.optimizer if load_optimizer_states else None, path / STATE_DIR, group
-    )
-    if load_optimizer_states and len(state["optimizer_groups"]) == len(engine.optimizer.param_groups):
-        for group_now, saved in zip(engine.optimizer.param_groups, state["optimizer_groups"], strict=True):
-            group_now.update(saved)
-    _apply_engine_state(engine, state)
-    if not partial_window:
-        # on a step boundary the split of train_batch_size may have changed: count the micro-steps
-        # in this run's accumulation, so that the next window is whole
-        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    if saved_world == engine.world_size:
-        restore_rng(_load(path / "rng" / f"rank{engine.rank}.pt"), engine.device)
+                    with_optimizer=training.optimizer is not None)  # fmt: skip
+    training.backend.check_can_load(path, saved_world)
+    training.backend.load_state(training.module, training.optimizer, path / STATE_DIR, group)
+    for stateful in training.states.values():
+        stateful.load_state_dict(saved)
+    if saved_world == world_size:
+        restore_rng(_load(path / "rng" / f"rank{rank}.pt"), training.device)
     else:
         log.warning("resuming %d-process checkpoint on %d processes: data order and batches carry over, "
-                    "random number streams start from rank %d's", saved_world, engine.world_size,
-                    engine.rank % saved_world)  # fmt: skip
-        restore_rng(_load(path / "rng" / f"rank{engine.rank % saved_world}.pt"), engine.device)
+                    "random number streams start from rank %d's", saved_world, world_size,
+                    rank % saved_world)  # fmt: skip
+        restore_rng(_load(path / "rng" / f"rank{rank % saved_world}.pt"), training.device)
     if partial_window:
-        restore_grads(engine.module, _load(path / "grads" / f"rank{engine.rank}.pt"))
+        restore_grads(training.module, _load(path / "grads" / f"rank{rank}.pt"))
     _barrier()
-    client_state: dict[str, Any] = state["client_state"]
+    client_state: dict[str, Any] = saved["client_state"]
     return path, client_state
 
 
-def _check_format(engine: Engine, path: Path, state: dict[str, Any]) -> None:
+def load_weights(
+    training: TrainingState, load_dir: str | Path, tag: str | None, *, group: dist.ProcessGroup | None
+) -> tuple[Path, dict[str, Any]]:
+    """Collective: the weights alone, for a new run that starts from them (no counters, optimizer,
+    scheduler, data position or config check). Returns (checkpoint directory, client_state)."""
+    path, saved = _choose(training, load_dir, tag)
+    training.backend.load_state(training.module, None, path / STATE_DIR, group)
+    _barrier()
+    return path, dict(saved["client_state"])
+
+
+def _choose(training: TrainingState, load_dir: str | Path, tag: str | None) -> tuple[Path, dict[str, Any]]:
+    """Rank 0's choice of checkpoint (``tag``, or the latest good one) and its ``engine.pt``."""
+    store = CheckpointStore(load_dir)
+    chosen = [store.resolve(tag) if training.rank_info.rank == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(chosen, src=0)
+    path = store.root / str(chosen[0])
+    saved = _load(path / "engine.pt")
+    _check_format(training.backend, path, saved)
+    return path, saved
+
+
+def _check_format(backend: StateBackend, path: Path, state: dict[str, Any]) -> None:
     saved_format = str(state.get("state_format", "dcp"))
-    if saved_format != engine.backend.checkpoint_format:
+    if saved_format != backend.checkpoint_format:
         raise CheckpointError(
-            f"{path} holds {saved_format} state; backend {engine.backend.name} reads "
-            f"{engine.backend.checkpoint_format} checkpoints",
+            f"{path} holds {saved_format} state; backend {backend.name} reads "
+            f"{backend.checkpoint_format} checkpoints",
             "DeepSpeed's ZeRO checkpoints keep flat optimizer partitions that other backends cannot map "
             "to parameters (and the other way round)",
             f"resume with the backend that wrote it ({state.get('backend', saved_format)}), or start a "
@@ -196,7 +264,40 @@ def _check_format(engine: Engine, path: Path, state: dict[str, Any]) -> None:
         )
 
 
-def _files_written_by(staging: Path, rank: int, backend: Backend) -> list[Path]:
+def _write_own_files(
+    training: TrainingState,
+    staging: Path,
+    entries: dict[str, Any],
+    client_state: dict[str, Any],
+    *,
+    mid_window: bool,
+) -> None:
+    """This rank's RNG states and partial gradients; on rank 0, ``engine.pt``."""
+    rank = training.rank_info.rank
+    (staging / "rng").mkdir(exist_ok=True)
+    torch.save(capture_rng(training.device), staging / "rng" / f"rank{rank}.pt")
+    if mid_window:
+        (staging / "grads").mkdir(exist_ok=True)
+        grads = {name: p.grad for name, p in training.module.named_parameters() if p.grad is not None}
+        torch.save(grads, staging / "grads" / f"rank{rank}.pt")
+    if rank == 0:
+        torch.save(_engine_file(training, entries, client_state), staging / "engine.pt")
+
+
+def _engine_file(
+    training: TrainingState, entries: dict[str, Any], client_state: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        **entries,
+        "world_size": training.rank_info.world_size,
+        "backend": training.backend.name,
+        "state_format": training.backend.checkpoint_format,
+        "config": json.dumps(dataclasses.asdict(training.config), default=str),
+        "client_state": client_state,
+    }
+
+
+def _files_written_by(staging: Path, rank: int, backend: StateBackend) -> list[Path]:
     own = [staging / "rng" / f"rank{rank}.pt", staging / "grads" / f"rank{rank}.pt",
            *backend.own_state_files(staging / STATE_DIR, rank)]  # fmt: skip
     if rank == 0:
@@ -214,39 +315,6 @@ def _gather_everywhere(entries: dict[str, Any], group: dist.ProcessGroup | None)
     for part in gathered:
         merged.update(part)
     return merged
-
-
-def _engine_state(engine: Engine, client_state: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "global_steps": engine.global_steps,
-        "micro_steps": engine.micro_steps,
-        "global_samples": engine.global_samples,
-        "skipped_steps": engine.skipped_steps,
-        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-        "world_size": engine.world_size,
-        "backend": engine.backend.name,
-        "state_format": engine.backend.checkpoint_format,
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        # also here: an optimizer without per-parameter state (plain SGD) has none in state/
-        "optimizer_groups": [
-            {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
-        ],
-        "precision": engine.precision.state_dict(),
-        "loaders": [loader.state_dict() for loader in engine.loaders],
-        "config": json.dumps(dataclasses.asdict(engine.config), default=str),
-        "client_state": client_state,
-    }
-
-
-def _apply_engine_state(engine: Engine, state: dict[str, Any]) -> None:
-    engine.global_steps = int(state["global_steps"])
-    engine.micro_steps = int(state["micro_steps"])
-    engine.global_samples = int(state["global_samples"])
-    engine.skipped_steps = int(state["skipped_steps"])
-    if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    engine.precision.load_state_dict(state["precision"])
-    engine.restore_loaders(list(state["loaders"]))
 
 
 def restore_grads(module: torch.nn.Module, grads: dict[str, torch.Tensor | None]) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from spikingsail.checkpoint.store import CheckpointError
+from spikingsail.errors import CheckpointError
 
 LOCK_NAME = ".sail-job.lock"
 HEARTBEAT_SECONDS = 10.0

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from spikingsail.errors import SailError
+from spikingsail.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +30,6 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 _STAGING = ".staging-"
 _REPLACED = ".replaced-"
-
-
-class CheckpointError(SailError):
-    """A checkpoint is missing, incomplete or corrupt."""
 
 
 class CheckpointStore:

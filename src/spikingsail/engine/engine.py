@@ -20,18 +20,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import Dataset
 
 from spikingsail.backends.base import Backend
 from spikingsail.checkpoint import dcp_io, engine_state
+from spikingsail.checkpoint.engine_state import TrainingState, merged_state_dict
 from spikingsail.checkpoint.lock import JobLock
-from spikingsail.checkpoint.store import CheckpointError
 from spikingsail.config.schema import SailConfig
 from spikingsail.data.loader import ShardedLoader
 from spikingsail.engine.precision import Precision, select_precision
 from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
+from spikingsail.engine.state import Entry, LoaderPositions, OptimizerHyperparameters, StepCounters
 from spikingsail.environments import RankInfo
-from spikingsail.errors import ConfigError
+from spikingsail.errors import CheckpointError, ConfigError
 from spikingsail.monitor.steps import StepMonitor, StepRecord
 from spikingsail.optim.optimizers import build_optimizer
 from spikingsail.optim.rebind import rebind_scheduler
@@ -91,13 +93,9 @@ class Engine:
         except BaseException:
             backend.teardown()  # leave the process group: a failed start must not leave it up
             raise
-        self.micro_steps = 0
-        self.global_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
+        self.counters = StepCounters(accumulation=config.gradient_accumulation_steps)
         self._window_losses: list[torch.Tensor] = []
-        self.loaders: list[ShardedLoader] = []
-        self._pending_loader_states: dict[int, dict[str, int]] = {}
+        self.loaders = LoaderPositions()
         self._last_save = time.monotonic()
         self._last_saved: tuple[str, int] | None = None  # (directory, micro_steps) of the last save
         self._pending_save: engine_state.SaveHandle | None = None
@@ -155,7 +153,7 @@ class Engine:
                 self._after_optimizer_step(skipped)
         elif boundary:
             self._optimizer_step()
-        self.micro_steps += 1
+        self.counters.micro_steps += 1
         if boundary:
             # After the counter moves on: a checkpoint must record the step as finished, or a
             # resume would take its first micro-step for the end of an accumulation window.
@@ -191,15 +189,16 @@ class Engine:
         self._after_optimizer_step(overflow)
 
     def _after_optimizer_step(self, overflow: bool) -> None:
+        counters = self.counters
         if overflow:
-            self.skipped_steps += 1
+            counters.skipped_steps += 1
             log.warning(
                 "fp16 overflow: step %d skipped, loss scale now %g",
-                self.global_steps,
+                counters.global_steps,
                 self.loss_scale,
             )
-        self.global_steps += 1
-        self.global_samples += self.config.train_batch_size
+        counters.global_steps += 1
+        counters.global_samples += self.config.train_batch_size
         if self.monitor.wants(self.global_steps):
             losses = self._window_losses
             self.monitor.on_step(
@@ -238,6 +237,22 @@ class Engine:
             yield from group["params"]
 
     # -- DeepSpeed-compatible accessors --------------------------------------------------------
+
+    @property
+    def micro_steps(self) -> int:
+        return self.counters.micro_steps
+
+    @property
+    def global_steps(self) -> int:
+        return self.counters.global_steps
+
+    @property
+    def global_samples(self) -> int:
+        return self.counters.global_samples
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.counters.skipped_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
@@ -315,10 +330,7 @@ class Engine:
             device=self.device if self._move_inputs else None,
             **loader_kwargs,
         )
-        pending = self._pending_loader_states.pop(len(self.loaders), None)
-        if pending is not None:
-            loader.load_state_dict(pending)
-        self.loaders.append(loader)
+        self.loaders.add(loader)
         return loader
 
     def save_checkpoint(
@@ -340,8 +352,9 @@ class Engine:
         self.wait_for_checkpoint()
         background = self.config.checkpoint.async_save if async_save is None else async_save
         handle = engine_state.save(
-            self, save_dir, tag, client_state, group=self._checkpoint_group(), background=background
-        )
+            self._training_state(), save_dir, tag, client_state, group=self._checkpoint_group(),
+            background=background,
+        )  # fmt: skip
         self._last_save = time.monotonic()
         self._last_saved = (str(Path(save_dir)), self.micro_steps) if tag is None else None
         if background:
@@ -383,13 +396,14 @@ class Engine:
         """
         self.wait_for_checkpoint()
         self._last_saved = None
-        path, client_state = engine_state.load(
-            self, load_dir, tag, load_optimizer_states, group=self._checkpoint_group(),
-            module_only=load_module_only,
-        )  # fmt: skip
+        training = self._training_state(with_optimizer=load_optimizer_states)
         if load_module_only:
+            path, client_state = engine_state.load_weights(
+                training, load_dir, tag, group=self._checkpoint_group()
+            )
             log.info("weights loaded from %s; training starts at step 0", path)
             return str(path), client_state
+        path, client_state = engine_state.load(training, load_dir, tag, group=self._checkpoint_group())
         self.backend.sync_counters(
             self.micro_steps, self.global_steps, self.global_samples, self.skipped_steps
         )
@@ -436,10 +450,40 @@ class Engine:
 
     def restore_loaders(self, states: list[dict[str, int]]) -> None:
         """Data positions from a checkpoint, for loaders made so far and those made later (by order)."""
-        self._pending_loader_states = dict(enumerate(states))
-        for index, loader in enumerate(self.loaders):
-            if index in self._pending_loader_states:
-                loader.load_state_dict(self._pending_loader_states.pop(index))
+        self.loaders.restore(states)
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def state_parts(self, *, with_optimizer: bool = True) -> dict[str, Stateful]:
+        """The engine's ``Stateful`` parts, in the order they are restored (the optimizer's settings
+        before the scheduler's state, which may read them)."""
+        parts: dict[str, Stateful] = {"counters": self.counters}
+        if with_optimizer:
+            parts["optimizer"] = OptimizerHyperparameters(self.optimizer)
+        parts["lr_scheduler"] = Entry("lr_scheduler", self.lr_scheduler)
+        parts["precision"] = Entry("precision", self.precision)
+        parts["loaders"] = self.loaders
+        return parts
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, optimizer settings, scheduler, loss scaler and data positions (not the model
+        and optimizer tensors, which the backend saves)."""
+        return merged_state_dict(self.state_parts())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for part in self.state_parts().values():
+            part.load_state_dict(state_dict)
+
+    def _training_state(self, *, with_optimizer: bool = True) -> TrainingState:
+        return TrainingState(
+            module=self.module,
+            optimizer=self.optimizer if with_optimizer else None,
+            backend=self.backend,
+            config=self.config,
+            rank_info=self.rank_info,
+            device=self.device,
+            states=self.state_parts(with_optimizer=with_optimizer),
+        )
 
     # -- spiking networks ------------------------------------------------------------------------
 

@@ -67,7 +67,7 @@ from spikingsail.backends.process_group import (
 )
 from spikingsail.checks import closest
 from spikingsail.config.schema import SailConfig
-from spikingsail.environments import RankInfo
+from spikingsail.environments import RankInfo, RankSource
 from spikingsail.environments.horovod import store_agreed_by_horovod
 from spikingsail.errors import BackendError, ConfigError
 
@@ -189,8 +189,8 @@ class HorovodBackend(Backend):
                 source = self.rank_info.source
                 if (
                     not self.rank_info.distributed
-                    or source == "horovod"
-                    or (source == "openmpi" and self.hvd.mpi_built())
+                    or source is RankSource.HOROVOD
+                    or (source is RankSource.OPENMPI and self.hvd.mpi_built())
                 ):
                     self.hvd.init()  # horovodrun's rendezvous, MPI's world, or one process
                 else:

@@ -14,7 +14,7 @@ from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-
 
 from spikingsail.backends.base import Backend
 from spikingsail.config.schema import SailConfig
-from spikingsail.environments import RankInfo
+from spikingsail.environments import RankInfo, RankSource
 from spikingsail.errors import BackendError
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def join_process_group(config: SailConfig, rank_info: RankInfo, device: torch.de
     """Create the default group; False when it already existed (created by the user) or is not needed."""
     if not rank_info.distributed or dist.is_initialized():
         return False
-    if rank_info.source == "horovod" and "MASTER_ADDR" not in os.environ:
+    if rank_info.source is RankSource.HOROVOD and "MASTER_ADDR" not in os.environ:
         raise BackendError(
             f"{config.source}: backend {config.sail.backend} was started by plain horovodrun",
             "horovodrun's rendezvous serves Horovod only; torch.distributed needs MASTER_ADDR and MASTER_PORT",

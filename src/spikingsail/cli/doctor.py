@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from spikingsail.diagnostics.collect import run_here
 from spikingsail.diagnostics.findings import Finding, Report, Status, fail, ok, use_color
 from spikingsail.diagnostics.machine import machine_findings
+from spikingsail.launchers.torchrun_args import names_hosts
 
 if TYPE_CHECKING:
     from spikingsail.launchers.request import LaunchRequest
@@ -40,7 +41,7 @@ def parser() -> argparse.ArgumentParser:
 def run(argv: list[str]) -> int:
     args, launch_flags = parser().parse_known_args(argv)
     report = Report()
-    if "-H" in launch_flags or any(a.startswith("--hostfile") for a in launch_flags):
+    if names_hosts(launch_flags):
         _nodes(launch_flags, report, args.timeout)
     else:
         _here(launch_flags, report, args.timeout)

@@ -6,9 +6,8 @@ import logging
 import sys
 
 from spikingsail.errors import LaunchError
-from spikingsail.launchers import plan
+from spikingsail.launchers import launcher_for, plan
 from spikingsail.launchers.failure import Failure
-from spikingsail.launchers.horovodrun import remote_hosts
 from spikingsail.launchers.local import run_local
 from spikingsail.launchers.preflight import check_hosts
 from spikingsail.launchers.request import LaunchRequest, parse_request
@@ -24,15 +23,14 @@ def run(argv: list[str]) -> int:
         for command in commands:
             print(command.render())
         return 0
-    if request.launcher == "local":
+    launcher = launcher_for(request)
+    if not launcher.supervised:
         (command,) = commands
         log.info("launching %s process(es): %s", request.nproc_per_node, command.render())
         status, failure = run_local(command)
     else:
         if request.nodes:
-            reached = [n.host for n in request.nodes]
-            if request.launcher == "horovodrun":
-                reached = remote_hosts(reached)  # horovodrun starts this machine's ranks without ssh
+            reached = launcher.probe_hosts(request)
             if reached:
                 check_hosts(reached, request.ssh, _rendezvous(request, reached))
             hosts = ", ".join(f"{n.host}×{n.nproc}" for n in request.nodes)

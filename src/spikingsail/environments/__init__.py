@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from spikingsail.environments.base import ClusterEnvironment, RankInfo
+from spikingsail.environments.base import ClusterEnvironment, RankInfo, RankSource
 from spikingsail.environments.env_vars import EnvVarEnvironment
 from spikingsail.environments.horovod import HorovodEnvironment
 from spikingsail.environments.openmpi import OpenMPIEnvironment
@@ -18,7 +18,7 @@ from spikingsail.environments.slurm import SlurmEnvironment
 from spikingsail.environments.torchrun import TorchrunEnvironment
 from spikingsail.errors import RankDiscoveryError
 
-__all__ = ["ClusterEnvironment", "RankInfo", "discover_rank_info"]
+__all__ = ["ClusterEnvironment", "RankInfo", "RankSource", "discover_rank_info"]
 
 
 def discover_rank_info(env: Mapping[str, str] | None = None, local_rank_arg: int | None = None) -> RankInfo:
@@ -43,7 +43,7 @@ def discover_rank_info(env: Mapping[str, str] | None = None, local_rank_arg: int
 
 def _check_agreement(info: RankInfo, env: Mapping[str, str], local_rank_arg: int | None) -> None:
     """Variables from another launcher that contradict the chosen one mean a mixed-up launch."""
-    if info.source in ("slurm", "openmpi", "horovod"):
+    if info.source.own_rank_variables:
         for var, value in (("RANK", info.rank), ("WORLD_SIZE", info.world_size)):
             if var in env and env[var] != str(value):
                 raise RankDiscoveryError(

@@ -5,8 +5,29 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 
 from spikingsail.errors import RankDiscoveryError
+
+
+class RankSource(str, Enum):
+    """Which environment described the job; written as its value (``slurm``) in messages."""
+
+    TORCHRUN = "torchrun"
+    HOROVOD = "horovod"
+    OPENMPI = "openmpi"
+    SLURM = "slurm"
+    ENV = "env"
+    SINGLE = "single"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def own_rank_variables(self) -> bool:
+        """The launcher describes ranks in variables of its own (SLURM_PROCID, OMPI_COMM_WORLD_RANK,
+        HOROVOD_RANK): a RANK or WORLD_SIZE beside them was set by something else."""
+        return self in (RankSource.SLURM, RankSource.OPENMPI, RankSource.HOROVOD)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -22,14 +43,15 @@ class RankInfo:
     master_addr: str | None
     """Host of the rank-0 store; None only for a single process."""
     master_port: int | None
-    source: str
-    """Which environment described the job (torchrun, slurm, openmpi, env, single)."""
+    source: RankSource
+    """Which environment described the job (torchrun, horovod, slurm, openmpi, env, single)."""
     use_env_store: bool = False
     """The store at MASTER_ADDR:MASTER_PORT is hosted by torchrun's agent, not by rank 0."""
     restart_count: int = 0
     """How often torchrun's agent has restarted the workers (TORCHELASTIC_RESTART_COUNT)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "source", RankSource(self.source))  # also when given by its name
         if not 0 <= self.rank < self.world_size:
             raise RankDiscoveryError(
                 f"{self.source}: rank {self.rank} is outside world size {self.world_size}",
@@ -53,7 +75,7 @@ class RankInfo:
     def single(cls, local_rank: int = 0) -> RankInfo:
         """One process and no process group."""
         return cls(rank=0, local_rank=local_rank, world_size=1, local_world_size=max(local_rank + 1, 1),
-                   master_addr=None, master_port=None, source="single")  # fmt: skip
+                   master_addr=None, master_port=None, source=RankSource.SINGLE)  # fmt: skip
 
     @property
     def distributed(self) -> bool:
@@ -70,7 +92,7 @@ class RankInfo:
 class ClusterEnvironment(ABC):
     """Recognises one way of describing a job in environment variables and reads it."""
 
-    name: str
+    name: RankSource
 
     @staticmethod
     @abstractmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from spikingsail.environments.base import ClusterEnvironment, RankInfo, int_var, port_var
+from spikingsail.environments.base import ClusterEnvironment, RankInfo, RankSource, int_var, port_var
 
 
 class EnvVarEnvironment(ClusterEnvironment):
@@ -14,7 +14,7 @@ class EnvVarEnvironment(ClusterEnvironment):
     from the ``--local_rank`` argument it appends.
     """
 
-    name = "env"
+    name = RankSource.ENV
 
     def __init__(self, local_rank_arg: int | None = None) -> None:
         self.local_rank_arg = local_rank_arg

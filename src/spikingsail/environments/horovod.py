@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from spikingsail.environments.base import ClusterEnvironment, RankInfo, int_var, port_var
+from spikingsail.environments.base import ClusterEnvironment, RankInfo, RankSource, int_var, port_var
 
 RANK_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE")
 
@@ -29,7 +29,7 @@ def store_agreed_by_horovod(env: Mapping[str, str]) -> bool:
 
 
 class HorovodEnvironment(ClusterEnvironment):
-    name = "horovod"
+    name = RankSource.HOROVOD
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:

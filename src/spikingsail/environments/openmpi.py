@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from spikingsail.environments.base import ClusterEnvironment, RankInfo, int_var, port_var
+from spikingsail.environments.base import ClusterEnvironment, RankInfo, RankSource, int_var, port_var
 
 
 class OpenMPIEnvironment(ClusterEnvironment):
     """Ranks from OMPI_COMM_WORLD_*; the store address from MASTER_ADDR / MASTER_PORT (``mpirun -x``)."""
 
-    name = "openmpi"
+    name = RankSource.OPENMPI
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from spikingsail.environments.base import ClusterEnvironment, RankInfo, int_var, port_var
+from spikingsail.environments.base import ClusterEnvironment, RankInfo, RankSource, int_var, port_var
 
 
 class TorchrunEnvironment(ClusterEnvironment):
-    name = "torchrun"
+    name = RankSource.TORCHRUN
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:

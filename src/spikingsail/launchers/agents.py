@@ -12,7 +12,7 @@ from spikingsail.launchers.command import LaunchCommand, Upload
 from spikingsail.launchers.hostfile import Node
 from spikingsail.launchers.lifeline import AGENT_GRACE_SECONDS, LIFELINE
 from spikingsail.launchers.remote_env import EnvFile
-from spikingsail.launchers.request import LaunchRequest, SSHOptions
+from spikingsail.launchers.spec import LaunchRequest, SSHOptions
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

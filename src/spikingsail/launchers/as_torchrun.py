@@ -17,7 +17,7 @@ import sys
 
 from spikingsail.environments import discover_rank_info
 from spikingsail.errors import SailError
-from spikingsail.launchers.request import LaunchRequest
+from spikingsail.launchers.spec import LaunchRequest
 
 
 def shimmed(request: LaunchRequest, python_options: list[str] | None = None) -> list[str]:

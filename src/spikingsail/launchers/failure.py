@@ -1,15 +1,20 @@
 """Why a job failed, read from what its launcher and its ranks printed last.
 
-torchrun, pdsh, mpirun and horovodrun each name the failed rank in words of their own; a rank that
-stopped on one of SpikingSail's errors printed its message (what / why / fix), with or without a
-traceback, and torchrun's summary carries it when the rank wrote torchrun's error file. The
+torchrun, pdsh, mpirun and horovodrun each name the failed rank in words of their own: torchrun's
+summary is read here, a launcher's own report by the launcher (``Launcher.read_failure``). A rank
+that stopped on one of SpikingSail's errors printed its message (what / why / fix), with or without
+a traceback, and torchrun's summary carries it when the rank wrote torchrun's error file. The
 failure reason names the rank and ends with that message, not with the launcher's report.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+
+# A launcher's reader of its own report of a failed rank (``Launcher.read_failure``).
+FailureReader = Callable[[str, list[str], int], tuple[str, list[str]] | None]
 
 # torchrun's failure summary, possibly behind pdsh's "node2: " prefixes:
 #   time      : 2026-11-22_03:03:39
@@ -21,15 +26,6 @@ ROOT_CAUSE = re.compile(
     r"[^\n]*?rank\s*:\s*(?P<rank>\d+) \(local_rank: (?P<local>\d+)\)\s*\n"
     r"[^\n]*?exitcode\s*:\s*(?P<code>-?\d+)[^\n]*?(?P<signal>\(SIG\w+\))?[ \t]*$",
     re.M,
-)
-# mpirun's reports of the first failed rank.
-_MPI_SIGNAL = re.compile(
-    r"process rank (?P<rank>\d+) with PID \d+ on node (?P<host>\S+) exited on (?P<what>signal \d+[^\n]*)"
-)
-_MPI_EXIT = re.compile(r"Process name:\s*\[\[\d+,\d+\],(?P<rank>\d+)\]\s*\n\s*Exit code:\s*(?P<what>-?\d+)")
-# horovodrun's (Gloo mode) report of the first failed rank; ranks' lines come as "[R]<stderr>:...".
-_HOROVOD_EXIT = re.compile(
-    r"The first process to do so was:\s*\nProcess name: (?P<rank>\d+)\s*\nExit code: (?P<code>-?\d+)"
 )
 # A SailError's message: its first line, then "  why: ..." and "  fix: ..." (SailError._render).
 _FIELD = re.compile(r"^(?P<prefix>.*?)  (?:why|fix): ")
@@ -106,17 +102,10 @@ class Failure:
 
     def _who(self, text: str) -> tuple[str, list[str]]:
         """The failure in the launcher's words, and the lines that belong to the failed rank."""
-        mpi = _MPI_SIGNAL.search(text) or _MPI_EXIT.search(text)
-        if mpi is not None:
-            where = f"node {mpi['host']}, " if "host" in mpi.groupdict() else ""
-            detail = f"{where}rank {mpi['rank']} exited with {mpi['what']}"
-            return f"mpirun failed (exit status {self.exit_code}): {detail}", self.tail
-        horovod = _HOROVOD_EXIT.search(text)
-        if horovod is not None:
-            rank = horovod["rank"]
-            own = [line.split(":", 1)[1] for line in self.tail if line.startswith(f"[{rank}]<std")]
-            return (f"horovodrun failed (exit status {self.exit_code}): rank {rank} exited with "
-                    f"{horovod['code']} first", own or self.tail)  # fmt: skip
+        for read in _launcher_readers():
+            found = read(text, self.tail, self.exit_code)
+            if found is not None:
+                return found
         # Under pdsh one stream carries every node's summary; the earliest failure is the cause,
         # the others are ranks that lost their peers.
         causes = sorted(_root_causes(text), key=lambda m: m["time"])
@@ -127,3 +116,10 @@ class Failure:
             detail = f", rank {cause['rank']} (local rank {cause['local']}) exited with {cause['code']}"
             detail += f" {cause['signal']}" if cause["signal"] else ""
         return f"node {host} failed (agent exit status {self.exit_code}){detail}", self.tail
+
+
+def _launcher_readers() -> list[FailureReader]:
+    """Every registered launcher's reader, in the registry's order."""
+    from spikingsail.launchers import LAUNCHERS  # the registry's launchers import this module
+
+    return [launcher.read_failure for launcher in LAUNCHERS.values()]

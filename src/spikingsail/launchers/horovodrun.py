@@ -24,17 +24,19 @@ stops every rank when one fails.
 from __future__ import annotations
 
 import importlib.util
+import re
 import shlex
 import sys
 import uuid
 
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.agents import rank_mark, rank_regex, tether, top_processes_signal
+from spikingsail.launchers.base import Launcher
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.hostfile import is_this_machine
 from spikingsail.launchers.lifeline import AGENT_GRACE_SECONDS
 from spikingsail.launchers.remote_env import launcher_env, looks_secret, remote_env
-from spikingsail.launchers.request import LaunchRequest, SSHOptions, require_first_slots
+from spikingsail.launchers.spec import LaunchRequest, SSHOptions, require_first_slots
 
 INSTALL_HINT = (
     'pip install "$(bash scripts/build-horovod.sh PYTHON)" (builds Horovod 0.28.1 with PyTorch and Gloo '
@@ -50,15 +52,35 @@ _PER_PROCESS = frozenset(
         "HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS", "HOROVOD_GLOO_IFACE",
     }
 )  # fmt: skip
-_NO_PYTHON_FLAGS = ("--no-python", "--no_python")
+# horovodrun's (Gloo mode) report of the first failed rank; ranks' lines come as "[R]<stderr>:...".
+_FIRST_EXIT = re.compile(
+    r"The first process to do so was:\s*\nProcess name: (?P<rank>\d+)\s*\nExit code: (?P<code>-?\d+)"
+)
 
 
-class HorovodrunLauncher:
+class HorovodrunLauncher(Launcher):
     name = "horovodrun"
+    agent_signals = False  # horovodrun's ranks are told over ssh (relay), or by horovodrun itself
+    install_hint = INSTALL_HINT
+    here_without_hosts = True  # as horovodrun without -H
 
     @staticmethod
     def exists() -> bool:
         return importlib.util.find_spec("horovod") is not None
+
+    def probe_hosts(self, request: LaunchRequest) -> list[str]:
+        # horovodrun starts this machine's ranks without ssh
+        return remote_hosts(super().probe_hosts(request))
+
+    @staticmethod
+    def read_failure(text: str, tail: list[str], exit_code: int) -> tuple[str, list[str]] | None:
+        found = _FIRST_EXIT.search(text)
+        if found is None:
+            return None
+        rank = found["rank"]
+        own = [line.split(":", 1)[1] for line in tail if line.startswith(f"[{rank}]<std")]
+        return (f"horovodrun failed (exit status {exit_code}): rank {rank} exited with {found['code']} "
+                "first", own or tail)  # fmt: skip
 
     def commands(self, request: LaunchRequest) -> list[LaunchCommand]:
         require_first_slots(request, "horovodrun")
@@ -113,8 +135,7 @@ _STAND_INS = {"SIGHUP": "SIGTERM", "SIGQUIT": "SIGTERM", "SIGUSR1": "SIGTERM"}
 
 def _program(request: LaunchRequest, run_id: str) -> list[str]:
     """What every rank runs: the script with this Python (or -m module, or --no-python as is)."""
-    flags = {arg.split("=", 1)[0] for arg in request.torchrun_args}
-    if flags & set(_NO_PYTHON_FLAGS):
+    if request.no_python:
         return [request.script, *request.script_args]
     python = [sys.executable, *rank_mark(run_id)]
     if request.runs_module:

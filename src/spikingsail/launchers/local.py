@@ -22,17 +22,37 @@ from collections.abc import Mapping
 from types import FrameType
 
 from spikingsail.errors import LaunchError
+from spikingsail.launchers.base import Launcher
 from spikingsail.launchers.command import FORWARDED, LaunchCommand, python_module
 from spikingsail.launchers.failure import Failure
 from spikingsail.launchers.hostfile import is_this_machine
 from spikingsail.launchers.lifeline import die_with_this_process
-from spikingsail.launchers.request import LaunchRequest
+from spikingsail.launchers.platform import platform_flags
+from spikingsail.launchers.spec import LaunchRequest
+from spikingsail.launchers.torchrun_args import TorchrunArgs
 
 TAIL_LINES = 400
 
 
-class LocalLauncher:
+class LocalLauncher(Launcher):
     name = "local"
+    needs_hosts = False
+    supervised = False
+
+    def torchrun_flags(self, args: TorchrunArgs, env: Mapping[str, str]) -> list[str]:
+        """All of the user's flags; on a platform's node its place in the job (``platform``), else
+        for one node a rendezvous of its own."""
+        flags = list(args.flags)
+        if args.short_nproc:
+            flags = ["--nproc-per-node", args.nproc_per_node, *flags]
+        platform = None if args.chooses_rendezvous else platform_flags(env)
+        if platform:
+            return [*platform, *flags]
+        if args.single_node:
+            # torchrun's default static rendezvous binds port 29500: two jobs on one machine
+            # would collide. --standalone picks a free port for a single-node job.
+            return ["--standalone", *flags]
+        return flags
 
     def commands(self, request: LaunchRequest) -> list[LaunchCommand]:
         flags, env = list(request.torchrun_args), dict[str, str]()
@@ -54,7 +74,7 @@ def _this_node(request: LaunchRequest, flags: list[str]) -> tuple[list[str], dic
             "use --launcher ssh (the default with -H) or pdsh for other hosts",
         )
     node = request.nodes[0]
-    if not any(f.split("=", 1)[0] in ("--nproc-per-node", "--nproc_per_node") for f in flags):
+    if not request.explicit_nproc:
         flags = ["--nproc-per-node", str(node.nproc), *flags]
     if node.slots != tuple(range(node.nproc)):
         return flags, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, node.slots))}

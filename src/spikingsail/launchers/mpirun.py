@@ -16,28 +16,46 @@ GPU mask.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import uuid
 
 from spikingsail.launchers.agents import rank_mark, rank_regex, tether
 from spikingsail.launchers.as_torchrun import shimmed
+from spikingsail.launchers.base import Launcher
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.hostfile import is_this_machine
 from spikingsail.launchers.remote_env import launcher_env, remote_env
-from spikingsail.launchers.request import LaunchRequest, require_first_slots
+from spikingsail.launchers.spec import LaunchRequest, require_first_slots
 
 # What mpirun itself needs here: its programs and libraries, ssh to the hosts and ssh's keys.
 _LAUNCHER_VARS = ("PATH", "LD_LIBRARY_PATH", "HOME", "USER", "LOGNAME", "TMPDIR", "SSH_AUTH_SOCK")
 _TUNING = ("OMPI_", "OPAL_", "PMIX_")  # Open MPI's settings (OMPI_MCA_*), its install prefix
+# mpirun's reports of the first failed rank.
+_SIGNALLED = re.compile(
+    r"process rank (?P<rank>\d+) with PID \d+ on node (?P<host>\S+) exited on (?P<what>signal \d+[^\n]*)"
+)
+_EXITED = re.compile(r"Process name:\s*\[\[\d+,\d+\],(?P<rank>\d+)\]\s*\n\s*Exit code:\s*(?P<what>-?\d+)")
 
 
-class MpirunLauncher:
+class MpirunLauncher(Launcher):
     name = "mpirun"
+    agent_signals = False  # mpirun passes signals on to the ranks itself
+    install_hint = "apt-get install openmpi-bin"
 
     @staticmethod
     def exists() -> bool:
         return shutil.which("mpirun") is not None
+
+    @staticmethod
+    def read_failure(text: str, tail: list[str], exit_code: int) -> tuple[str, list[str]] | None:
+        found = _SIGNALLED.search(text) or _EXITED.search(text)
+        if found is None:
+            return None
+        where = f"node {found['host']}, " if "host" in found.groupdict() else ""
+        detail = f"{where}rank {found['rank']} exited with {found['what']}"
+        return f"mpirun failed (exit status {exit_code}): {detail}", tail
 
     def commands(self, request: LaunchRequest) -> list[LaunchCommand]:
         require_first_slots(request, "mpirun")

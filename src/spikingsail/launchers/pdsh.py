@@ -29,9 +29,10 @@ from spikingsail.launchers.agents import (
     signal_relay,
     tether,
 )
+from spikingsail.launchers.base import Launcher
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.remote_env import EnvFile, remote_env
-from spikingsail.launchers.request import LaunchRequest
+from spikingsail.launchers.spec import LaunchRequest
 
 # pdsh's own reports of a host's remote command ("%p: %S: %s exited with exit code %d" and
 # its siblings), e.g. "pdsh@node1: node2: ssh exited with exit code 1".
@@ -41,8 +42,9 @@ NODE_FAILURE = (
 )
 
 
-class PdshLauncher:
+class PdshLauncher(Launcher):
     name = "pdsh"
+    install_hint = "apt-get install pdsh"
 
     @staticmethod
     def exists() -> bool:

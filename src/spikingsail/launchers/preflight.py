@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spikingsail.errors import LaunchError
-from spikingsail.launchers.request import SSHOptions
+from spikingsail.launchers.spec import SSHOptions
 
 _PASSWORD_WANTED = re.compile(
     r"Permission denied \((?=[^)]*publickey)(?=[^)]*(password|keyboard-interactive))"

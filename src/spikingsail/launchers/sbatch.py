@@ -22,8 +22,8 @@ from pathlib import Path
 from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.command import FORWARDED_SIGNALS
-from spikingsail.launchers.request import LaunchRequest
 from spikingsail.launchers.slurm import DIST_INIT_METHODS, task_step, torchrun_step
+from spikingsail.launchers.spec import LaunchRequest
 
 log = logging.getLogger(__name__)
 

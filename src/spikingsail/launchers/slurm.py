@@ -14,68 +14,21 @@ The same argv builders write the ``srun`` line of ``sail submit``'s sbatch scrip
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import shutil
 import sys
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 
-import hostlist
-
+from spikingsail.environments.slurm import Allocation, in_allocation
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.as_torchrun import shimmed
+from spikingsail.launchers.base import Launcher
 from spikingsail.launchers.command import LaunchCommand
-from spikingsail.launchers.request import LaunchRequest
 from spikingsail.launchers.slurm_port import rendezvous_port
+from spikingsail.launchers.spec import LaunchRequest
 
 DIST_INIT_METHODS = ("torchrun", "slurm")
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class Allocation:
-    job_id: str
-    nodes: int
-    first_host: str
-    gpus_per_node: int | None
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> Allocation:
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
-        try:
-            hosts = hostlist.expand_hostlist(nodelist)
-        except hostlist.BadHostlist:
-            hosts = []
-        if not hosts:
-            raise LaunchError(
-                f"SLURM allocation {env.get('SLURM_JOB_ID')} has no readable node list ({nodelist!r})"
-            )
-        return cls(
-            job_id=env["SLURM_JOB_ID"],
-            nodes=int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or len(hosts)),
-            first_host=str(hosts[0]),
-            gpus_per_node=_gpus_per_node(env),
-        )
-
-
-def _gpus_per_node(env: Mapping[str, str]) -> int | None:
-    """The GPUs of one node of the allocation: SLURM_GPUS_ON_NODE; else GPUs per task × tasks per
-    node (``--ntasks-per-node=4 --gpus-per-task=1`` is four GPUs a node, not one); else
-    ``--gpus-per-node`` (``4`` or ``a100:4``)."""
-    on_node = _count(env.get("SLURM_GPUS_ON_NODE"))
-    per_task, tasks = _count(env.get("SLURM_GPUS_PER_TASK")), _count(env.get("SLURM_NTASKS_PER_NODE"))
-    if on_node:
-        return on_node
-    if per_task:
-        return per_task * (tasks or 1)
-    return _count(env.get("SLURM_GPUS_PER_NODE"))
-
-
-def _count(value: str | None) -> int | None:
-    """A count as Slurm writes it, with an optional GPU type (``a100:4``)."""
-    found = re.fullmatch(r"(?:[A-Za-z0-9_.-]+:)?([0-9]{1,6})", value or "")
-    return int(found[1]) if found else None
 
 
 def torchrun_step(request: LaunchRequest, nnodes: str, nproc: str, endpoint: str, run_id: str) -> list[str]:
@@ -104,8 +57,11 @@ def _relay(allocation: Allocation) -> list[str]:
     return ["sh", "-c", f'exec scancel --signal="$0" {shlex.quote(allocation.job_id)}']
 
 
-class SlurmLauncher:
+class SlurmLauncher(Launcher):
     name = "slurm"
+    needs_hosts = False  # the allocation's nodes
+    install_hint = "apt-get install slurm-client"
+    dist_init_methods = DIST_INIT_METHODS
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         self.env = os.environ if env is None else env
@@ -113,6 +69,14 @@ class SlurmLauncher:
     @staticmethod
     def exists() -> bool:
         return shutil.which("srun") is not None
+
+    def check(self, env: Mapping[str, str]) -> None:
+        if not in_allocation(env):
+            raise LaunchError(
+                "--launcher slurm outside a SLURM allocation",
+                "srun needs an allocation (SLURM_JOB_ID) to start the job in",
+                "run inside salloc or an sbatch script, or use `sail submit` to write and submit one",
+            )
 
     def commands(self, request: LaunchRequest) -> list[LaunchCommand]:
         allocation = Allocation.from_env(self.env)

@@ -3,7 +3,7 @@
 A fixed port (torchrun's 29500) makes two jobs whose first node is the same meet in one store: the
 second job's agent finds the port taken, joins the first job's store as a client, and dies when the
 first job ends. The port is derived from the job id, the way srun tasks derive theirs (one function,
-``SlurmEnvironment``'s), and when the first node is this machine (an sbatch script runs there) a
+``environments.slurm.job_port``), and when the first node is this machine (an sbatch script runs there) a
 taken port is passed over for the next free one.
 
     python -m spikingsail.launchers.slurm_port FIRST_HOST      (prints the port; sbatch scripts)
@@ -17,7 +17,7 @@ import socket
 import sys
 from collections.abc import Mapping
 
-from spikingsail.environments.slurm import SlurmEnvironment
+from spikingsail.environments.slurm import job_port
 from spikingsail.launchers.hostfile import is_this_machine
 
 # SlurmEnvironment's range: clear of common services and of Linux's ephemeral ports.
@@ -27,7 +27,7 @@ _TRIES = 64
 
 def rendezvous_port(env: Mapping[str, str], first_host: str) -> int:
     # the srun tasks' own derivation, not a copy of it
-    port = SlurmEnvironment()._job_port(env)
+    port = job_port(env)
     if not is_this_machine(first_host):
         return port  # another node's ports cannot be checked from here
     for step in range(_TRIES):

@@ -27,6 +27,23 @@ def spawn(fn: Callable[..., T], nprocs: int, args: tuple[Any, ...] = (), max_res
     """
     if nprocs < 1:
         raise LaunchError(f"spawn(nprocs={nprocs})", fix="start at least one process")
+    try:
+        results = run_processes(fn, nprocs, args, max_restarts)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        raise LaunchError(
+            f"spawn: rank {rank} of {nprocs} failed (exit code {failure.exitcode})",
+            failure.message if isinstance(failure.message, str) else str(failure.message),
+            "see the rank's traceback above",
+        ) from None
+    return [results[rank] for rank in sorted(results)]
+
+
+def run_processes(
+    fn: Callable[..., T], nprocs: int, args: tuple[Any, ...] = (), max_restarts: int = 0
+) -> dict[int, T]:
+    """``fn(*args)`` in ``nprocs`` processes under torchrun's agent; their return values by rank.
+    A failed rank raises torchrun's ``ChildFailedError``."""
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -41,15 +58,8 @@ def spawn(fn: Callable[..., T], nprocs: int, args: tuple[Any, ...] = (), max_res
     saved = dict(os.environ)
     try:
         results: dict[int, T] = elastic_launch(config, fn)(*args)
-    except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        raise LaunchError(
-            f"spawn: rank {rank} of {nprocs} failed (exit code {failure.exitcode})",
-            failure.message if isinstance(failure.message, str) else str(failure.message),
-            "see the rank's traceback above",
-        ) from None
     finally:
         # The elastic agent exports a few variables into the calling process; keep the caller's.
         os.environ.clear()
         os.environ.update(saved)
-    return [results[rank] for rank in sorted(results)]
+    return results

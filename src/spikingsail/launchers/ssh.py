@@ -25,13 +25,15 @@ from spikingsail.launchers.agents import (
     signal_relay,
     tether,
 )
+from spikingsail.launchers.base import Launcher
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.remote_env import EnvFile, remote_env
-from spikingsail.launchers.request import LaunchRequest
+from spikingsail.launchers.spec import LaunchRequest
 
 
-class SSHLauncher:
+class SSHLauncher(Launcher):
     name = "ssh"
+    install_hint = "apt-get install openssh-client"
 
     @staticmethod
     def exists() -> bool:

@@ -1,0 +1,79 @@
+"""What ``sail launch`` asks for, typed: the request every launcher turns into commands."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from spikingsail.errors import LaunchError
+from spikingsail.launchers.hostfile import Node
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SSHOptions:
+    port: int | None = None
+    user: str | None = None
+    config: str | None = None
+    connect_timeout: int = 10
+    heartbeat_timeout: int = 30
+    """Seconds without a heartbeat after which a node ends its part of the job, and ``sail launch``
+    gives the node up (ssh's ServerAlive checks)."""
+
+    def args(self) -> list[str]:
+        """ssh client options: never a password prompt, never an unbounded connect."""
+        out = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={self.connect_timeout}"]
+        if self.config:
+            out += ["-F", self.config]
+        if self.port:
+            out += ["-p", str(self.port)]
+        if self.user:
+            out += ["-l", self.user]
+        return out
+
+    def command(self, host: str, remote: str, *, tty: bool = False, keepalive: bool = False) -> list[str]:
+        """``ssh [-tt] OPTIONS -- HOST REMOTE``: after ``--`` ssh reads no option, so no host name
+        can become one (``-oProxyCommand=...`` would run a command here). ``keepalive``: the client
+        gives the host up after ``heartbeat_timeout`` seconds without an answer."""
+        alive = []
+        if keepalive:
+            interval = max(1, self.heartbeat_timeout // 3)
+            alive = ["-o", f"ServerAliveInterval={interval}", "-o", "ServerAliveCountMax=3"]
+        return ["ssh", *(["-tt"] if tty else []), *alive, *self.args(), "--", host, remote]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LaunchRequest:
+    script: str
+    script_args: list[str]
+    torchrun_args: list[str]
+    """torchrun flags passed through unchanged (for multi-node: those not set per node)."""
+    nproc_per_node: str
+    launcher: str
+    nodes: list[Node] | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    master_port: int = 29500
+    ssh: SSHOptions = field(default_factory=SSHOptions)
+    env: dict[str, str] = field(default_factory=dict)
+    launcher_args: list[str] = field(default_factory=list)
+    """Extra arguments for the transport itself (e.g. mpirun's --mca settings, srun's options)."""
+    dist_init_method: str = "torchrun"
+    """slurm: srun starts one task per process instead of one torchrun agent per node."""
+    explicit_nproc: bool = False
+    explicit_master_port: bool = False
+    runs_module: bool = False
+    """``-m``: the script is a module name, as for ``python -m`` (torchrun's flag)."""
+    no_python: bool = False
+    """``--no-python``: the script is a program, started without Python (torchrun's flag)."""
+    dry_run: bool = False
+
+
+def require_first_slots(request: LaunchRequest, launcher: str) -> None:
+    """Launchers that start one command per host (mpirun, horovodrun) cannot honour slot lists."""
+    assert request.nodes, "parse_request gives multi-node launchers their nodes"
+    custom = [n.host for n in request.nodes if n.slots != tuple(range(n.nproc))]
+    if custom:
+        raise LaunchError(
+            f"--launcher {launcher} cannot give {', '.join(custom)} a chosen set of slots",
+            f"{launcher} starts the same command on every host, so every host uses its first N GPUs",
+            "use --num_gpus instead of slot lists, or --launcher ssh",
+        )

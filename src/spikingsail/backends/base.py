@@ -1,10 +1,13 @@
 """The contract between the engine and a parallelism backend.
 
-The engine owns the training loop's bookkeeping (micro-steps, loss scaling, clipping, the
-scheduler); a backend owns what differs between DDP, ZeRO, FSDP and Horovod: how processes are
-joined, how the model and optimizer are wrapped, and how gradient synchronisation is deferred on
-micro-steps that are not an accumulation boundary. The engine never asks a backend's name — it
-asks what the backend declares.
+The engine owns the training loop's bookkeeping (micro-steps, counters, checkpoints, data); a
+backend owns what differs between DDP, ZeRO, FSDP, DeepSpeed and Horovod: how processes are
+joined, how the model and optimizer are wrapped, how gradient synchronisation is deferred on
+micro-steps that are not an accumulation boundary, and how backward and the optimizer step run.
+As in Lightning Fabric's Strategy → Precision split, the default ``backward`` and
+``optimizer_step`` delegate loss scaling and unscaling to the backend's ``Precision``; a backend
+whose library runs the step itself (DeepSpeed) overrides them. The engine never asks a backend's
+name, and never branches on it: it calls these methods.
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ import torch.distributed as dist
 
 from spikingsail.checkpoint import dcp_io
 from spikingsail.config.schema import SailConfig
+from spikingsail.engine.precision import Precision, select_precision
 from spikingsail.environments import RankInfo
+from spikingsail.optim.optimizers import build_optimizer
+from spikingsail.optim.rebind import rebind_scheduler
+from spikingsail.optim.schedulers import build_scheduler
 
 
 class Backend(ABC):
@@ -30,11 +37,6 @@ class Backend(ABC):
     """DeepSpeed keys outside SpikingSail's core that this backend acts on (others only warn)."""
     max_zero_stage: ClassVar[int] = 0
     """The highest ``zero_optimization.stage`` this backend implements."""
-    owns_step: ClassVar[bool] = False
-    """True when the backend's own engine runs backward, the optimizer step, loss scaling,
-    clipping and the scheduler (DeepSpeed); the engine then calls ``backward``/``step`` here."""
-    builds_from_config: ClassVar[bool] = False
-    """True when the backend builds the config's optimizer and scheduler itself."""
     checkpoint_format: ClassVar[str] = "dcp"
     """How model and optimizer state is written; checkpoints load only into the same format."""
 
@@ -42,6 +44,7 @@ class Backend(ABC):
         self.config = config
         self.rank_info = rank_info
         self.device = torch.device("cpu")
+        self.precision = Precision(self.device)
 
     @abstractmethod
     def setup(self) -> torch.device:
@@ -53,28 +56,62 @@ class Backend(ABC):
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Wrap the (already placed) model and its optimizer for data-parallel training."""
 
-    # -- for backends that own the step (``owns_step``) ------------------------------------------
+    # -- the training step ------------------------------------------------------------------------
 
-    def wrap_owning(
+    def select_precision(self) -> Precision:
+        """Choose (after ``setup``, on its device) and keep the precision this backend trains with:
+        the config's fp16 loss scaling or bf16/fp16 autocast."""
+        self.precision = select_precision(self.config, self.device)
+        return self.precision
+
+    def setup_module_and_optimizer(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
-        """Wrap model, optimizer and scheduler (either may come from the config instead)."""
-        raise NotImplementedError(f"backend {self.name} does not own the training step")
+        """Wrap model, optimizer and scheduler; the optimizer and scheduler come from the config when
+        not given. Returns the module to call, the optimizer to step and the scheduler to step."""
+        config = self.config
+        if optimizer is None:
+            assert config.optimizer is not None  # the engine checked that one of them is given
+            optimizer = build_optimizer(config.optimizer, model.parameters(), config.source)
+        wrapped, stepped = self.wrap(model, optimizer)
+        if lr_scheduler is not None and stepped is not optimizer:
+            rebind_scheduler(lr_scheduler, optimizer, stepped, self.name)
+        if lr_scheduler is None and config.scheduler is not None:
+            lr_scheduler = build_scheduler(config.scheduler, stepped, config.source)
+        return wrapped, stepped, lr_scheduler
 
     def prepare_inputs(self, inputs: Any) -> Any:
         """Adapt a forward's arguments to the wrapped module (dtype of a half-precision model)."""
         return inputs
 
     def backward(self, loss: torch.Tensor) -> None:
-        raise NotImplementedError(f"backend {self.name} does not own the training step")
+        """Backpropagate ``loss`` averaged over the accumulation window (the precision scales it)."""
+        accumulation = self.config.gradient_accumulation_steps
+        self.precision.backward(loss / accumulation if accumulation > 1 else loss)
 
-    def step(self) -> bool:
-        """End a micro-step; on a boundary, step the optimizer. True when the step was skipped."""
-        raise NotImplementedError(f"backend {self.name} does not own the training step")
+    def step(self, optimizer: torch.optim.Optimizer, lr_scheduler: Any, *, boundary: bool) -> bool:
+        """End a micro-step; on an accumulation boundary, step the optimizer. True when that step
+        was skipped (fp16 overflow)."""
+        return self.optimizer_step(optimizer, lr_scheduler) if boundary else False
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, lr_scheduler: Any) -> bool:
+        """Unscale the gradients (skip the step when they overflowed), clip, step the optimizer and
+        the scheduler, update the loss scale and zero the gradients. True when skipped."""
+        overflow = self.precision.unscale_(optimizer)
+        if not overflow:
+            if self.config.gradient_clipping > 0:
+                parameters = (p for group in optimizer.param_groups for p in group["params"])
+                self.clip_grad_norm_(parameters, self.config.gradient_clipping)
+            optimizer.step()
+            if lr_scheduler is not None:
+                lr_scheduler.step()
+        self.precision.update(overflow)
+        optimizer.zero_grad(set_to_none=True)
+        return overflow
 
     @property
     def loss_scale(self) -> float:
-        return 1.0
+        return self.precision.loss_scale
 
     def sync_counters(self, micro_steps: int, global_steps: int, global_samples: int, skipped: int) -> None:
         """Bring the backend's own step counters to the engine's (after a checkpoint load)."""

@@ -27,7 +27,7 @@ from torch.distributed import HashStore  # type: ignore[attr-defined]  # public,
 
 from spikingsail.backends.process_group import ProcessGroupBackend, dist_backend_for
 from spikingsail.config.parse import INERT_DEEPSPEED_KEYS
-from spikingsail.engine.precision import native_bf16
+from spikingsail.engine.precision import Precision, native_bf16
 from spikingsail.errors import BackendError, CheckpointError
 from spikingsail.tensors import map_tensors
 
@@ -72,8 +72,6 @@ class DeepSpeedBackend(ProcessGroupBackend):
     name = "deepspeed"
     honoured_deepspeed_keys = INERT_DEEPSPEED_KEYS
     max_zero_stage = 3
-    owns_step = True
-    builds_from_config = True
     checkpoint_format: ClassVar[str] = "deepspeed"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -103,10 +101,17 @@ class DeepSpeedBackend(ProcessGroupBackend):
     def wrap(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        module, optimizer, _ = self.wrap_owning(model, optimizer, None)
+        module, optimizer, _ = self.setup_module_and_optimizer(model, optimizer, None)
         return module, optimizer
 
-    def wrap_owning(
+    # DeepSpeed's engine owns the step: it builds the config's optimizer and scheduler, averages the
+    # loss over the window, keeps half-precision weights, scales the loss, clips and steps.
+
+    def select_precision(self) -> Precision:
+        self.precision = Precision(self.device)  # no autocast: DeepSpeed makes the model half itself
+        return self.precision
+
+    def setup_module_and_optimizer(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
         config = self.config
@@ -186,7 +191,8 @@ class DeepSpeedBackend(ProcessGroupBackend):
     def backward(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss)
 
-    def step(self) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer, lr_scheduler: Any, *, boundary: bool) -> bool:
+        # every micro-step: DeepSpeed counts the window itself and steps on its boundary
         skipped = int(self.ds.skipped_steps)
         self.ds.step()
         return int(self.ds.skipped_steps) > skipped

@@ -12,7 +12,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +29,12 @@ from spikingsail.checkpoint.engine_state import TrainingState, merged_state_dict
 from spikingsail.checkpoint.lock import JobLock
 from spikingsail.config.schema import SailConfig
 from spikingsail.data.loader import ShardedLoader
-from spikingsail.engine.precision import Precision, select_precision
+from spikingsail.engine.precision import Precision
 from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
 from spikingsail.engine.state import Entry, LoaderPositions, OptimizerHyperparameters, StepCounters
 from spikingsail.environments import RankInfo
 from spikingsail.errors import CheckpointError, ConfigError
 from spikingsail.monitor.steps import StepMonitor, StepRecord
-from spikingsail.optim.optimizers import build_optimizer
-from spikingsail.optim.rebind import rebind_scheduler
-from spikingsail.optim.schedulers import build_scheduler
 from spikingsail.snn.encoding import encode
 from spikingsail.snn.support import SpikingSupport
 from spikingsail.snn.syncbn import convert_sync_batchnorm
@@ -73,23 +70,10 @@ class Engine:
             self.snn = SpikingSupport.for_model(config.snn, self.module, config.source)
             if config.snn.sync_batchnorm and rank_info.distributed:
                 self.module = convert_sync_batchnorm(self.module)  # keeps the Parameter objects
-            if backend.owns_step:
-                # precision, clipping, accumulation and the scheduler live in the backend's engine
-                self.precision = Precision(self.device)
-                self.wrapped_module, self.optimizer, self.lr_scheduler = backend.wrap_owning(
-                    self.module, optimizer, lr_scheduler
-                )
-            else:
-                if optimizer is None:
-                    assert config.optimizer is not None  # _check_optimizer_source made sure
-                    optimizer = build_optimizer(config.optimizer, self.module.parameters(), config.source)
-                self.precision = select_precision(config, self.device)
-                self.wrapped_module, self.optimizer = backend.wrap(self.module, optimizer)
-                if lr_scheduler is not None and self.optimizer is not optimizer:
-                    rebind_scheduler(lr_scheduler, optimizer, self.optimizer, backend.name)
-                self.lr_scheduler = lr_scheduler
-                if lr_scheduler is None and config.scheduler is not None:
-                    self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer, config.source)
+            self.precision: Precision = backend.select_precision()
+            self.wrapped_module, self.optimizer, self.lr_scheduler = backend.setup_module_and_optimizer(
+                self.module, optimizer, lr_scheduler
+            )
         except BaseException:
             backend.teardown()  # leave the process group: a failed start must not leave it up
             raise
@@ -134,25 +118,16 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` averaged over the accumulation window (and scaled for fp16)."""
         accumulation = self.config.gradient_accumulation_steps
-        if self.backend.owns_step:  # the backend averages over the window itself
-            self._window_losses.append(loss.detach() / accumulation)
-            self.backend.backward(loss)
-        else:
-            if accumulation > 1:
-                loss = loss / accumulation
-            self._window_losses.append(loss.detach())
-            torch.autograd.backward(self.precision.scale_loss(loss))
+        self._window_losses.append(loss.detach() / accumulation if accumulation > 1 else loss.detach())
+        self.backend.backward(loss)
         self.snn.after_backward()
 
     def step(self) -> None:
         """End a micro-step; on an accumulation boundary, update the weights."""
         boundary = self.is_gradient_accumulation_boundary()
-        if self.backend.owns_step:
-            skipped = self.backend.step()
-            if boundary:
-                self._after_optimizer_step(skipped)
-        elif boundary:
-            self._optimizer_step()
+        skipped = self.backend.step(self.optimizer, self.lr_scheduler, boundary=boundary)
+        if boundary:
+            self._after_optimizer_step(skipped)
         self.counters.micro_steps += 1
         if boundary:
             # After the counter moves on: a checkpoint must record the step as finished, or a
@@ -175,18 +150,6 @@ class Engine:
                     self._preemption.signal_name, path, PREEMPTED_EXIT_CODE)  # fmt: skip
         self.close()
         raise SystemExit(PREEMPTED_EXIT_CODE)
-
-    def _optimizer_step(self) -> None:
-        overflow = self.precision.unscale_(self.optimizer)
-        if not overflow:
-            if self.config.gradient_clipping > 0:
-                self.backend.clip_grad_norm_(self._parameters(), self.config.gradient_clipping)
-            self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        self.precision.update(overflow)
-        self.optimizer.zero_grad(set_to_none=True)
-        self._after_optimizer_step(overflow)
 
     def _after_optimizer_step(self, overflow: bool) -> None:
         counters = self.counters
@@ -232,10 +195,6 @@ class Engine:
         if due:
             self.save_checkpoint(policy.path)
 
-    def _parameters(self) -> Iterator[torch.nn.Parameter]:
-        for group in self.optimizer.param_groups:
-            yield from group["params"]
-
     # -- DeepSpeed-compatible accessors --------------------------------------------------------
 
     @property
@@ -271,7 +230,7 @@ class Engine:
 
     @property
     def loss_scale(self) -> float:
-        return self.backend.loss_scale if self.backend.owns_step else self.precision.loss_scale
+        return self.backend.loss_scale
 
     @property
     def rank(self) -> int:

@@ -34,6 +34,9 @@ class Precision:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
+    def backward(self, loss: torch.Tensor) -> None:
+        torch.autograd.backward(self.scale_loss(loss))
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> bool:
         """Prepare gradients for the optimizer; True when they overflowed and the step must be skipped."""
         return False

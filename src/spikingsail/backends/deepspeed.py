@@ -23,9 +23,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed import HashStore  # type: ignore[attr-defined]  # public, not re-exported in stubs
 
-from spikingsail.backends.process_group import ProcessGroupBackend, dist_backend_for
+from spikingsail.backends.process_group import (
+    ProcessGroupBackend,
+    dist_backend_for,
+    init_default_group,
+    rendezvous_store,
+)
 from spikingsail.config.parse import INERT_DEEPSPEED_KEYS
 from spikingsail.engine.precision import Precision, native_bf16
 from spikingsail.errors import BackendError, CheckpointError
@@ -88,13 +92,10 @@ class DeepSpeedBackend(ProcessGroupBackend):
         device = super().setup()
         if not dist.is_initialized():
             # DeepSpeed always works on a process group; one process gets a group of one.
-            dist.init_process_group(
-                backend=dist_backend_for(self.config, device),
-                store=HashStore(),
-                rank=0,
-                world_size=1,
-                timeout=datetime.timedelta(minutes=self.config.sail.timeout_minutes),
-            )
+            timeout = datetime.timedelta(minutes=self.config.sail.timeout_minutes)
+            store = rendezvous_store(self.rank_info, timeout)
+            init_default_group(dist_backend_for(self.config, device), timeout, store,
+                               rank_info=self.rank_info, device=device)  # fmt: skip
             self._owns_group = True
         return device
 

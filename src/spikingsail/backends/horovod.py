@@ -61,6 +61,7 @@ from torch.utils.hooks import RemovableHandle
 from spikingsail.backends.base import Backend
 from spikingsail.backends.process_group import (
     dist_backend_for,
+    init_default_group,
     join_process_group,
     leave_process_group,
     select_device,
@@ -261,14 +262,9 @@ class HorovodBackend(Backend):
                 store = TCPStore(
                     host, int(port), world_size=info.world_size, is_master=False, timeout=timeout
                 )
-            dist.init_process_group(
-                backend=dist_backend_for(self.config, self.device),
-                store=PrefixStore("spikingsail/horovod", store),
-                rank=info.rank,
-                world_size=info.world_size,
-                timeout=timeout,
-                device_id=self.device if self.device.type == "cuda" else None,
-            )
+            backend = dist_backend_for(self.config, self.device)
+            prefixed = PrefixStore("spikingsail/horovod", store)
+            init_default_group(backend, timeout, prefixed, rank_info=info, device=self.device)
         except (RuntimeError, ValueError) as err:
             raise BackendError(
                 f"rank {info.rank} could not join the torch.distributed group at {address or 'rank 0'}",

@@ -10,7 +10,7 @@ import socket
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # public, not re-exported in stubs
+from torch.distributed import HashStore, PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # public, not re-exported in stubs
 
 from spikingsail.backends.base import Backend
 from spikingsail.config.schema import SailConfig
@@ -96,17 +96,10 @@ def join_process_group(config: SailConfig, rank_info: RankInfo, device: torch.de
     backend = dist_backend_for(config, device)
     timeout = datetime.timedelta(minutes=config.sail.timeout_minutes)
     log.debug("joining %s process group at %s as rank %d", backend, rank_info.init_method(), rank_info.rank)
-    store = _store(rank_info, timeout)
+    store = rendezvous_store(rank_info, timeout)
     _agree_on_backend(store, rank_info, backend, device)
     try:
-        dist.init_process_group(
-            backend=backend,
-            store=store,
-            rank=rank_info.rank,
-            world_size=rank_info.world_size,
-            timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
-        )
+        init_default_group(backend, timeout, store, rank_info=rank_info, device=device)
     except (RuntimeError, ValueError) as err:
         raise BackendError(
             f"rank {rank_info.rank} could not join the {backend} process group at {rank_info.init_method()}",
@@ -115,6 +108,22 @@ def join_process_group(config: SailConfig, rank_info: RankInfo, device: torch.de
             "(`sail doctor -H hostfile` checks both)",
         ) from err
     return True
+
+
+def init_default_group(
+    backend: str, timeout: datetime.timedelta, store: Store, *, rank_info: RankInfo, device: torch.device
+) -> None:
+    """Create torch.distributed's default group on ``store``, as ``rank_info``'s rank; on a GPU the
+    group is bound to the rank's own device (``device_id``). Every join of SpikingSail goes
+    through here: the engine's backends and ``sail bench comm``."""
+    dist.init_process_group(
+        backend=backend,
+        store=store,
+        rank=rank_info.rank,
+        world_size=rank_info.world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
 
 
 def _agree_on_backend(store: Store, rank_info: RankInfo, backend: str, device: torch.device) -> None:
@@ -148,13 +157,16 @@ def _agree_on_backend(store: Store, rank_info: RankInfo, backend: str, device: t
 _JOINS = itertools.count()
 
 
-def _store(rank_info: RankInfo, timeout: datetime.timedelta) -> Store:
-    """The rendezvous store, with keys of their own for every restart of the workers.
+def rendezvous_store(rank_info: RankInfo, timeout: datetime.timedelta) -> Store:
+    """The rendezvous store, with keys of their own for every restart of the workers (a store in
+    this process's memory when it is the only one).
 
     Under torchrun the agent hosts the store and keeps it across restarts; torch's own env://
     join then reads the dead workers' gloo addresses and the restarted group hangs in
     connectFullMesh. A prefix per restart count gives each attempt clean keys.
     """
+    if not rank_info.distributed:
+        return HashStore()
     assert rank_info.master_addr is not None and rank_info.master_port is not None  # RankInfo checked
     store = TCPStore(
         rank_info.master_addr,

@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed import constants
 
+from spikingsail.backends.process_group import init_default_group, rendezvous_store, select_device
 from spikingsail.diagnostics.comm_plot import table, write_report
-from spikingsail.environments import discover_rank_info
+from spikingsail.environments import RankInfo, discover_rank_info
 from spikingsail.errors import LaunchError, SailError
 from spikingsail.monitor.logs import configure_logging
 
@@ -333,35 +335,28 @@ def sweep(config: SweepConfig, group: Group) -> dict[str, list[Row]]:
 # -- the job ---------------------------------------------------------------------------------------
 
 
-def _device_and_backend(wanted: str, local_rank: int) -> tuple[torch.device, str]:
-    cuda = torch.cuda.is_available()
-    if wanted == "nccl" and not cuda:
+def _device_and_backend(wanted: str, info: RankInfo) -> tuple[torch.device, str]:
+    """The engine's choice of device (``select_device``: the GPU of the local rank, or the one GPU
+    a process sees); gloo measures on the CPU."""
+    device = torch.device("cpu") if wanted == "gloo" else select_device(info)
+    if wanted == "nccl" and device.type != "cuda":
         raise LaunchError(
             "--dist-backend nccl on a node without a visible GPU",
             "NCCL only moves tensors between GPUs",
             "use --dist-backend gloo (or auto, which picks gloo here)",
         )
-    backend = ("nccl" if cuda else "gloo") if wanted == "auto" else wanted
-    if backend != "nccl":
-        return torch.device("cpu"), backend
-    if local_rank >= torch.cuda.device_count():
-        raise LaunchError(
-            f"local rank {local_rank} needs GPU {local_rank}, but this node shows {torch.cuda.device_count()}",
-            "each process uses the GPU of its local rank",
-            "start at most as many processes per node as GPUs (-n), or check CUDA_VISIBLE_DEVICES",
-        )
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
-    return device, backend
+    return device, "nccl" if device.type == "cuda" else "gloo"
 
 
 def run_job(config: SweepConfig) -> int:
     info = discover_rank_info()
     configure_logging(info.rank)
-    device, backend = _device_and_backend(config.dist_backend, info.local_rank)
-    dist.init_process_group(
-        backend, rank=info.rank, world_size=info.world_size, device_id=device if backend == "nccl" else None
-    )
+    device, backend = _device_and_backend(config.dist_backend, info)
+    # torch's own default for the backend (init_process_group's, when no timeout is given)
+    timeout = (
+        constants.default_pg_nccl_timeout if backend == "nccl" else None
+    ) or constants.default_pg_timeout
+    init_default_group(backend, timeout, rendezvous_store(info, timeout), rank_info=info, device=device)
     try:
         group = Group(rank=info.rank, world_size=info.world_size, device=device, dtype=DTYPES[config.dtype])
         hosts: list[object] = [None] * info.world_size

@@ -15,8 +15,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 import spikingsail
 from spikingsail.checkpoint import dcp_io
-from spikingsail.errors import CheckpointError
 from spikingsail.environments import RankInfo
+from spikingsail.errors import CheckpointError
 
 
 class Payload:

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import spikingsail
-from spikingsail.errors import CheckpointError
 from spikingsail.environments import RankInfo
+from spikingsail.errors import CheckpointError
 from tests.multiprocess import run_ranks
 
 TOTAL_MICRO_STEPS = 21  # 64 samples / (micro 4 × W ranks) per epoch: several epochs, ends mid-window

@@ -17,8 +17,8 @@ import torch
 
 import spikingsail
 from spikingsail.checkpoint.store import CheckpointStore
-from spikingsail.errors import CheckpointError
 from spikingsail.environments import RankInfo
+from spikingsail.errors import CheckpointError
 
 
 def engine(checkpoint: dict[str, object] | None = None) -> spikingsail.Engine:

@@ -196,3 +196,33 @@ def test_seed_000_config_loads() -> None:
     config = load_config(path, 2)
     assert (config.train_batch_size, config.train_micro_batch_size_per_gpu) == (8, 4)
     assert config.fp16.enabled and config.zero_optimization.stage == 1
+
+
+@pytest.mark.parametrize(
+    ("balance", "world", "expected"),
+    [
+        ("off", 2, "off"),
+        ("auto", 2, "auto"),
+        ([3, 1], 2, (3.0, 1.0)),
+        ({"node1": 2, "node2": 1.5}, 4, {"node1": 2.0, "node2": 1.5}),
+    ],
+)
+def test_balance_forms(balance: Any, world: int, expected: Any) -> None:
+    config = load_config({**MICRO, "sail": {"balance": balance}}, world)
+    assert config.sail.balance == expected
+
+
+@pytest.mark.parametrize(
+    ("balance", "world", "message"),
+    [
+        ("fast", 2, "sail.balance is 'fast'"),
+        ([], 2, "sail.balance is []"),
+        ([3, 1, 1], 2, "sail.balance has 3 weight(s) for 2 process(es)"),
+        ([3, 0], 2, "sail.balance[1] is 0"),
+        ([3, -1], 2, "sail.balance[1] is -1"),
+        ({"node1": "x"}, 2, "sail.balance.node1"),
+        ([100, 1], 2, "sail.balance gives rank 1 0.08 of the 8 samples of a global micro-batch"),
+    ],
+)
+def test_bad_balance_is_refused(balance: Any, world: int, message: str) -> None:
+    assert message in error({"train_micro_batch_size_per_gpu": 4, "sail": {"balance": balance}}, world)

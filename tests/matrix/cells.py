@@ -19,6 +19,9 @@ PRECISIONS = ("fp32", "bf16")
 ACCUMULATIONS = (1, 3)
 SCHEDULERS = ("client", "config")
 INTERRUPTIONS = ("none", "boundary", "window", "world", "sigkill")
+BALANCES = ("off", "3:1")
+"""sail.balance: equal micro-batches, or rank 0 taking three quarters of every global micro-batch
+(a resume takes the other split, 1:3, or none on one process)."""
 WORLD = 2
 STEPS = 6
 STOP_STEP = 3
@@ -57,10 +60,12 @@ class Cell:
     accumulation: int
     scheduler: str
     interruption: str
+    balance: str = "off"
 
     @property
     def id(self) -> str:
-        return f"{self.backend}-{self.precision}-acc{self.accumulation}-{self.scheduler}-{self.interruption}"
+        balance = "" if self.balance == "off" else f"-balance{self.balance.replace(':', '')}"
+        return f"{self.backend}-{self.precision}-acc{self.accumulation}-{self.scheduler}-{self.interruption}{balance}"
 
     @classmethod
     def parse(cls, text: str) -> Cell:
@@ -72,6 +77,8 @@ class Cell:
     @property
     def refusal(self) -> str | None:
         """The clear refusal this cell must meet, or None when it must train like the reference."""
+        if self.balance != "off" and self.backend == "deepspeed-zero2":
+            return "which backend deepspeed does not support"
         if self.interruption == "window" and self.backend in ("fsdp", "deepspeed-zero2"):
             return "cannot save inside a gradient accumulation window"
         if self.interruption == "world" and self.backend == "deepspeed-zero2":
@@ -92,7 +99,9 @@ class Cell:
 def all_cells() -> list[Cell]:
     cells = [
         Cell(*combination)
-        for combination in itertools.product(BACKENDS, PRECISIONS, ACCUMULATIONS, SCHEDULERS, INTERRUPTIONS)
+        for combination in itertools.product(
+            BACKENDS, PRECISIONS, ACCUMULATIONS, SCHEDULERS, INTERRUPTIONS, BALANCES
+        )
     ]
     # a window to save inside needs an accumulation of more than one micro-step
     return [c for c in cells if not (c.interruption == "window" and c.accumulation == 1)]
@@ -104,7 +113,7 @@ def sample(seed: int, count: int) -> list[Cell]:
     cells = all_cells()
     rng.shuffle(cells)
     chosen: list[Cell] = []
-    for axis in ("backend", "interruption"):
+    for axis in ("backend", "interruption", "balance"):
         for value in sorted({getattr(c, axis) for c in cells}):
             if not any(getattr(c, axis) == value for c in chosen):
                 chosen.append(next(c for c in cells if getattr(c, axis) == value and c not in chosen))

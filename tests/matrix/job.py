@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
 
 import spikingsail
+from spikingsail.data.sampler import split_batch
 from spikingsail.errors import SailError
 from tests.device_copy import copying_device_moves
 from tests.matrix.cells import STEPS, STOP_STEP
@@ -24,7 +25,7 @@ def dataset() -> TensorDataset:
     return TensorDataset(torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g))
 
 
-def config(spec: dict[str, Any], accumulation: int, checkpoints: str | None) -> dict[str, Any]:
+def config(spec: dict[str, Any], accumulation: int, checkpoints: str | None, phase: str) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": accumulation,
@@ -34,6 +35,9 @@ def config(spec: dict[str, Any], accumulation: int, checkpoints: str | None) -> 
     }
     if spec["precision"] == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if spec["balance"] != "off" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        weights = [int(w) for w in spec["balance"].split(":")]
+        cfg["sail"]["balance"] = weights[::-1] if checkpoints and phase == "resume" else weights
     if spec["scheduler"] == "config":
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1,
                                                            "warmup_num_steps": 4, "warmup_type": "linear"}}  # fmt: skip
@@ -69,7 +73,7 @@ def _run(
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
     try:
         engine, _ = spikingsail.initialize(
-            model=net, optimizer=optimizer, lr_scheduler=scheduler, config=config(spec, accumulation, checkpoints),
+            model=net, optimizer=optimizer, lr_scheduler=scheduler, config=config(spec, accumulation, checkpoints, phase),
             checkpoints_path=checkpoints, resume=phase == "resume",
         )  # fmt: skip
     except SailError as err:
@@ -77,8 +81,11 @@ def _run(
     stop = {"boundary": STOP_STEP * accumulation, "window": STOP_STEP * accumulation + 1,
             "sigkill": STOP_STEP * accumulation + 1, "world": STOP_STEP * accumulation}.get(spec["interruption"])  # fmt: skip
     loader = engine.dataloader(dataset())
+    balance = engine.config.sail.balance
+    share = split_batch(MICRO * engine.world_size, list(balance))[engine.rank] if balance != "off" else MICRO
     while engine.global_steps < STEPS:
         for x, y in loader:
+            assert len(x) == share, f"rank {engine.rank} got {len(x)} samples, its share is {share}"
             engine.backward(F.cross_entropy(engine(x).float(), y))
             engine.step()
             if phase == "first" and engine.micro_steps == stop:

@@ -65,13 +65,13 @@ def test_multi_step_sync_batchnorm_matches_batchnorm_over_the_whole_batch() -> N
         torch.testing.assert_close(ranks[1][key], whole[key])
 
 
-def snn_config(micro: int, accumulation: int, backend: str = "ddp") -> dict[str, Any]:
+def snn_config(micro: int, accumulation: int, backend: str = "ddp", balance: Any = "off") -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
         "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
         "snn": {"step_mode": "m", "time_steps": 4, "sync_batchnorm": True},
-        "sail": {"seed": 3, "progress_bar": False, "backend": backend},
+        "sail": {"seed": 3, "progress_bar": False, "backend": backend, "balance": balance},
     }
 
 
@@ -83,9 +83,10 @@ def digits() -> TensorDataset:
 def snn_train(
     single: bool, micro: int, accumulation: int, checkpoints: str | None = None,
     stop_at: int | None = None, resume: bool = False, micro_steps: int = 12, backend: str = "ddp",
+    balance: Any = "off",
 ) -> dict[str, Any] | None:  # fmt: skip
     engine, _ = spikingsail.initialize(
-        model=spiking_cnn(), config=snn_config(micro, accumulation, backend),
+        model=spiking_cnn(), config=snn_config(micro, accumulation, backend, balance),
         rank_info=RankInfo.single() if single else None, checkpoints_path=checkpoints, resume=resume,
     )  # fmt: skip
     loader = engine.dataloader(digits())
@@ -109,6 +110,20 @@ def test_two_ranks_of_b_equal_one_process_of_2b(accumulation: int, backend: str)
     ranks = run_ranks(snn_train, 2, False, 4, accumulation, None, None, False, 12, backend)
     assert reference is not None
     assert any("running_mean" in key for key in reference)  # batch norm took part
+    for rank in (0, 1):
+        for key, value in reference.items():
+            torch.testing.assert_close(ranks[rank][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize(("accumulation", "backend"), [(1, "ddp"), (2, "fsdp")])
+def test_unequal_micro_batches_equal_one_process_with_synchronised_batch_norm(
+    accumulation: int, backend: str
+) -> None:
+    """Ranks taking 6 and 2 of every 8 samples: batch-norm statistics weighted by count, each
+    rank's loss by its share: still one process's training."""
+    reference = snn_train(True, 8, accumulation)
+    ranks = run_ranks(snn_train, 2, False, 4, accumulation, None, None, False, 12, backend, [3, 1])
+    assert reference is not None
     for rank in (0, 1):
         for key, value in reference.items():
             torch.testing.assert_close(ranks[rank][key], value, rtol=1e-5, atol=1e-6, msg=key)

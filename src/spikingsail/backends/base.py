@@ -37,6 +37,9 @@ class Backend(ABC):
     """DeepSpeed keys outside SpikingSail's core that this backend acts on (others only warn)."""
     max_zero_stage: ClassVar[int] = 0
     """The highest ``zero_optimization.stage`` this backend implements."""
+    balances: ClassVar[bool] = True
+    """Whether ranks may take unequal micro-batches (``sail.balance``): the backend averages
+    gradients over ranks, which the engine's per-rank loss weights turn into the global mean."""
     checkpoint_format: ClassVar[str] = "dcp"
     """How model and optimizer state is written; checkpoints load only into the same format."""
 

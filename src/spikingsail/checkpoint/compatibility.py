@@ -31,6 +31,8 @@ FREE = (
     "sail.find_unused_parameters",
     "sail.move_inputs_to_device",
     "sail.deterministic",
+    "sail.balance",  # how a global micro-batch is split over ranks: every split takes the same step
+    "sail.rebalance_factor",
     "zero_optimization",  # how state is sharded, not what it is
     "fp16.auto_cast",
     "source",

@@ -15,7 +15,7 @@ import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from spikingsail.checks import INT64_MAX, Range, check_number, reject_unknown
+from spikingsail.checks import FLOAT32_MAX, INT64_MAX, Range, check_number, reject_unknown
 from spikingsail.config.schema import (
     BF16Config,
     CheckpointConfig,
@@ -231,6 +231,8 @@ def _hints(cls: type[Any]) -> dict[str, Any]:
 
 def _value(value: Any, hint: Any, declared: dataclasses.Field[Any], where: str, key: str) -> Any:
     """A field's value: of its type and, for numbers, within the range the schema declares."""
+    if declared.metadata.get("parse") == "balance":
+        return _balance(value, where, key)
     # every float is at least finite: NaN would turn a check like "clip when > 0" silently off
     allowed: Range | None = declared.metadata.get("range") or (Range() if hint is float else None)
     if allowed is None or value is None:
@@ -277,6 +279,30 @@ def _scalar(value: Any, hint: Any) -> Any:
     elif hint is str and isinstance(value, str):
         return value
     return _WRONG_TYPE
+
+
+_BALANCE_WEIGHT = Range(
+    0, FLOAT32_MAX, low_open=True, why="a weight is a rank's relative speed", fix="e.g. 3 and 1"
+)
+
+
+def _balance(value: Any, where: str, key: str) -> str | tuple[float, ...] | dict[str, float]:
+    """``sail.balance``: "off", "auto", a list of per-rank weights or a {"host": weight} map."""
+    if value in ("off", "auto"):
+        return str(value)
+    if isinstance(value, list) and value:
+        return tuple(
+            float(check_number(w, _BALANCE_WEIGHT, f"{key}[{i}]", where)) for i, w in enumerate(value)
+        )
+    if isinstance(value, dict) and value:
+        return {
+            str(h): float(check_number(w, _BALANCE_WEIGHT, f"{key}.{h}", where)) for h, w in value.items()
+        }
+    raise ConfigError(
+        f"{where}: {key} is {value!r}",
+        "it is how each global micro-batch is split over the ranks",
+        'use "off", "auto", a weight per rank (e.g. [3, 1]) or one per host (e.g. {"node1": 2, "node2": 1})',
+    )
 
 
 def _choice(value: Any, allowed: tuple[Any, ...], where: str, key: str, optional: bool) -> Any:
@@ -342,7 +368,32 @@ def _check_semantics(config: SailConfig) -> None:
     if config.scheduler is not None:
         check_scheduler(config.scheduler, where)
     _check_paths(config)
+    if isinstance(config.sail.balance, tuple):
+        check_balance_weights(list(config.sail.balance), config, "rank")
     _check_checkpoint(config)
+
+
+def check_balance_weights(weights: list[float], config: SailConfig, names: str | list[str]) -> None:
+    """Weights for every rank, each giving its rank at least one sample of a global micro-batch.
+    ``names``: what a weight belongs to — "rank", or the host of each rank."""
+    where, world = config.source, config.world_size
+    global_micro = config.train_micro_batch_size_per_gpu * world
+    if len(weights) != world:
+        raise ConfigError(
+            f"{where}: sail.balance has {len(weights)} weight(s) for {world} process(es)",
+            "it gives one weight per rank, in rank order",
+            f'list {world} weights, or use a map from host to weight, or "auto"',
+        )
+    total = math.fsum(weights)
+    for rank, weight in enumerate(weights):
+        if global_micro * weight / total < 1:
+            owner = f"rank {rank}" if names == "rank" else f"rank {rank} (host {names[rank]})"
+            raise ConfigError(
+                f"{where}: sail.balance gives {owner} {global_micro * weight / total:.2f} of the "
+                f"{global_micro} samples of a global micro-batch",
+                "every rank needs at least one sample of each micro-batch",
+                "raise its weight, or train_micro_batch_size_per_gpu (the mean share)",
+            )
 
 
 def _check_paths(config: SailConfig) -> None:

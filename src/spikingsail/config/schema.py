@@ -161,6 +161,11 @@ class SailSection:
     deterministic: bool = False
     """Deterministic kernels only (torch.use_deterministic_algorithms, cuDNN without autotuning,
     CUBLAS_WORKSPACE_CONFIG): what bit-exact resume needs on GPUs."""
+    balance: str | tuple[float, ...] | dict[str, float] = field(default="off", metadata={"parse": "balance"})
+    """Per-rank micro-batches for ranks of unequal speed: "off" (equal), "auto" (measured), a
+    weight per rank, or {"host": weight}; each rank's share of every global micro-batch."""
+    rebalance_factor: float = ranged(1.25, Range(1, FLOAT32_MAX, low_open=True, fix="e.g. 1.25"))
+    """With balance "auto": split again when a rank's share of the total speed moves by more than this factor."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -8,9 +8,11 @@ parallelism to a ``Backend``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import random
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,8 +29,10 @@ from spikingsail.backends.base import Backend
 from spikingsail.checkpoint import dcp_io, engine_state
 from spikingsail.checkpoint.engine_state import TrainingState, merged_state_dict
 from spikingsail.checkpoint.lock import JobLock
+from spikingsail.config.parse import check_balance_weights
 from spikingsail.config.schema import SailConfig
 from spikingsail.data.loader import ShardedLoader
+from spikingsail.engine.balance import Balancer
 from spikingsail.engine.precision import Precision
 from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
 from spikingsail.engine.state import Entry, LoaderPositions, OptimizerHyperparameters, StepCounters
@@ -74,9 +78,11 @@ class Engine:
             self.wrapped_module, self.optimizer, self.lr_scheduler = backend.setup_module_and_optimizer(
                 self.module, optimizer, lr_scheduler
             )
+            self.balancer = self._make_balancer()
         except BaseException:
             backend.teardown()  # leave the process group: a failed start must not leave it up
             raise
+        self._balanced_loader: ShardedLoader | None = None
         self.counters = StepCounters(accumulation=config.gradient_accumulation_steps)
         self._window_losses: list[torch.Tensor] = []
         self.loaders = LoaderPositions()
@@ -112,13 +118,22 @@ class Engine:
         sync = self.is_gradient_accumulation_boundary() or not torch.is_grad_enabled()
         self.snn.before_forward()
         inputs, kwargs = self.backend.prepare_inputs((inputs, kwargs))
-        with self.backend.gradient_sync(sync), self.precision.autocast():
+        with self.backend.gradient_sync(sync), self.precision.autocast(), self._measuring():
             return self.wrapped_module(*inputs, **kwargs)
+
+    def _measuring(self) -> contextlib.AbstractContextManager[None]:
+        """With ``balance: auto``, time this forward as a training micro-step of the balanced loader."""
+        share = self._balanced_loader.share if self._balanced_loader is not None else None
+        if self.balancer is None or share is None or not (torch.is_grad_enabled() and self.module.training):
+            return contextlib.nullcontext()
+        return self.balancer.measuring(share[0])
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` averaged over the accumulation window (and scaled for fp16)."""
         accumulation = self.config.gradient_accumulation_steps
         self._window_losses.append(loss.detach() / accumulation if accumulation > 1 else loss.detach())
+        if self.balancer is not None:
+            loss = loss * self._loss_weight()
         self.backend.backward(loss)
         self.snn.after_backward()
 
@@ -135,6 +150,56 @@ class Engine:
             self._maybe_save()
             if self._preemption.agreed(self.device):
                 self._save_and_exit_for_requeue()
+
+    def _loss_weight(self) -> float:
+        """This rank's share of the global micro-batch, relative to an equal share (``sail.balance``)."""
+        assert self.balancer is not None
+        share = self._balanced_loader.share if self._balanced_loader is not None else None
+        if share is None:
+            raise ConfigError(
+                f"{self.config.source}: sail.balance is {self.config.sail.balance!r}, but this loss does not "
+                "come from a batch of engine.dataloader(...)",
+                "with unequal micro-batches each rank's loss is weighted by its share of the global "
+                "micro-batch, which only the engine's loader knows",
+                "iterate engine.dataloader(dataset) for training, or turn sail.balance off",
+            )
+        return self.balancer.loss_weight(*share)
+
+    def _make_balancer(self) -> Balancer | None:
+        balance, config = self.config.sail.balance, self.config
+        if balance == "off":
+            return None
+        weights: list[float] | None = None
+        if isinstance(balance, tuple):
+            weights = list(balance)
+        elif isinstance(balance, dict):
+            hosts = self._rank_hosts()
+            missing = sorted(set(hosts) - set(balance))
+            if missing:
+                raise ConfigError(
+                    f"{config.source}: sail.balance has no weight for host(s) {', '.join(missing)}",
+                    f"the ranks run on {', '.join(sorted(set(hosts)))}; the map names {', '.join(balance)}",
+                    'give every host a weight (its GPUs\' relative speed), or use "auto"',
+                )
+            weights = [balance[host] for host in hosts]
+            check_balance_weights(weights, config, hosts)
+        balancer = Balancer(
+            global_micro_batch=config.train_micro_batch_size_per_gpu * config.world_size,
+            world_size=config.world_size,
+            weights=weights,
+            rebalance_factor=config.sail.rebalance_factor,
+        )
+        balancer.attach(self.module, self.device)
+        if self.rank_info.is_rank_zero:
+            log.info("balance %s: micro-batches per rank %s", "auto" if weights is None else "by weight",
+                     balancer.split)  # fmt: skip
+        return balancer
+
+    def _rank_hosts(self) -> list[str]:
+        hosts: list[Any] = [socket.gethostname()] * self.world_size
+        if dist.is_initialized():
+            dist.all_gather_object(hosts, socket.gethostname())
+        return [str(h) for h in hosts]
 
     def _save_and_exit_for_requeue(self) -> None:
         assert self.config.checkpoint.path is not None  # the watch is armed only with a path
@@ -162,6 +227,9 @@ class Engine:
             )
         counters.global_steps += 1
         counters.global_samples += self.config.train_batch_size
+        change = None
+        if self.balancer is not None:
+            change = self.balancer.after_step(counters.global_steps, self.backend.all_reduce_sum, self.rank)
         if self.monitor.wants(self.global_steps):
             losses = self._window_losses
             self.monitor.on_step(
@@ -171,6 +239,7 @@ class Engine:
                     lr=self.get_lr()[0],
                     loss_scale=self.loss_scale,
                     skipped=overflow,
+                    balance=change,
                 )
             )
         self._window_losses = []
@@ -274,6 +343,8 @@ class Engine:
         samples to even out the shards. Batches arrive on ``engine.device`` (labels too), unless
         ``sail.move_inputs_to_device`` is false.
         """
+        # with sail.balance, a training loader hands each rank its share of every global micro-batch
+        shares = self.balancer.shares if self.balancer is not None and pad and batch_size is None else None
         loader = ShardedLoader(
             dataset,
             batch_size=batch_size or self.config.train_micro_batch_size_per_gpu,
@@ -287,8 +358,11 @@ class Engine:
             collate_fn=collate_fn,
             on_batch=self.snn.on_batch if self.snn.manages_state else None,
             device=self.device if self._move_inputs else None,
+            shares=shares,
             **loader_kwargs,
         )
+        if shares is not None:
+            self._balanced_loader = loader
         self.loaders.add(loader)
         return loader
 
@@ -422,6 +496,7 @@ class Engine:
         parts["lr_scheduler"] = Entry("lr_scheduler", self.lr_scheduler)
         parts["precision"] = Entry("precision", self.precision)
         parts["loaders"] = self.loaders
+        parts["balance"] = Entry("balance", self.balancer)
         return parts
 
     def state_dict(self) -> dict[str, Any]:

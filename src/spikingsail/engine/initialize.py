@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from spikingsail.backends import backend_class, sharding_backends
+from spikingsail.backends import Backend, available, backend_class, sharding_backends
 from spikingsail.checkpoint.store import CheckpointStore
 from spikingsail.config.parse import load_config
 from spikingsail.config.schema import SailConfig, summary
@@ -147,6 +147,7 @@ def initialize(
         log.info("SpikingSail config (%s):\n%s", rank_info.source, summary(sail_config))
         _report_unused(sail_config, backend_cls.name, backend_cls.honoured_deepspeed_keys)
     _check_zero_stage(sail_config, backend_cls.name, backend_cls.max_zero_stage)  # on every rank
+    _check_balance(sail_config, backend_cls)
     engine = Engine(
         model=model,
         config=sail_config,
@@ -207,6 +208,16 @@ def _check_zero_stage(config: SailConfig, backend: str, max_stage: int) -> None:
             "running it unsharded would silently need the memory the stage is meant to save",
             f'set "sail": {{"backend": ...}} to one of: {", ".join(sharding_backends(stage))}; '
             f"or lower the stage to {max_stage}",
+        )
+
+
+def _check_balance(config: SailConfig, backend: type[Backend]) -> None:
+    if config.sail.balance != "off" and not backend.balances:
+        able = [name for name in available() if backend_class(name).balances]
+        raise ConfigError(
+            f"{config.source}: sail.balance is {config.sail.balance!r}, which backend {backend.name} does not support",
+            f"{backend.name} requires every rank's micro-batch to be train_micro_batch_size_per_gpu",
+            f'use "balance": "off", or one of the backends that balance: {", ".join(able)}',
         )
 
 

@@ -28,6 +28,8 @@ class StepRecord:
     lr: float
     loss_scale: float
     skipped: bool
+    balance: dict[str, Any] | None = None
+    """A new split of the global micro-batch (``sail.balance: auto``) made at this step."""
 
 
 class StepMonitor:
@@ -91,7 +93,7 @@ class StepMonitor:
 
     def _write_metrics(self, record: StepRecord, loss: float | None, throughput: float) -> None:
         assert self._metrics is not None
-        line = {
+        line: dict[str, Any] = {
             "step": record.step,
             "loss": loss,
             "lr": record.lr,
@@ -101,6 +103,8 @@ class StepMonitor:
             "skipped": record.skipped,
             "time": time.time(),
         }
+        if record.balance is not None:
+            line["balance"] = {"speeds": record.balance["speeds"], "split": record.balance["split"]}
         self._metrics.write(json.dumps(line) + "\n")
 
     def close(self) -> None:

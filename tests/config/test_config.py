@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from spikingsail.backends import backend_class
 from spikingsail.config import load_config
-from spikingsail.engine.initialize import _check_zero_stage, _report_unused
+from spikingsail.engine.initialize import _check_balance, _check_zero_stage, _report_unused
 from spikingsail.errors import ConfigError
 
 MICRO = {"train_micro_batch_size_per_gpu": 4}
@@ -226,3 +228,24 @@ def test_balance_forms(balance: Any, world: int, expected: Any) -> None:
 )
 def test_bad_balance_is_refused(balance: Any, world: int, message: str) -> None:
     assert message in error({"train_micro_batch_size_per_gpu": 4, "sail": {"balance": balance}}, world)
+
+
+@pytest.mark.parametrize(
+    ("backend", "balance", "message"),
+    [
+        ("deepspeed", [3, 1], "sail.balance is (3.0, 1.0), which backend deepspeed does not support"),
+        ("deepspeed", "auto", "which backend deepspeed does not support"),
+        ("fsdp", "auto", "sail.balance is 'auto', which backend fsdp cannot measure"),
+    ],
+)
+def test_balance_a_backend_cannot_honour_is_refused(backend: str, balance: Any, message: str) -> None:
+    config = load_config({**MICRO, "sail": {"backend": backend, "balance": balance}}, 2)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _check_balance(config, backend_class(backend))
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "horovod"])
+def test_weights_are_accepted_where_gradients_are_averaged(backend: str) -> None:
+    _check_balance(
+        load_config({**MICRO, "sail": {"backend": backend, "balance": [3, 1]}}, 2), backend_class(backend)
+    )

@@ -40,6 +40,9 @@ class Backend(ABC):
     balances: ClassVar[bool] = True
     """Whether ranks may take unequal micro-batches (``sail.balance``): the backend averages
     gradients over ranks, which the engine's per-rank loss weights turn into the global mean."""
+    measures_balance: ClassVar[bool] = True
+    """Whether ``sail.balance: auto`` can time this backend's ranks: they compute forward and
+    backward without waiting for each other until the gradient reduction at the end."""
     checkpoint_format: ClassVar[str] = "dcp"
     """How model and optimizer state is written; checkpoints load only into the same format."""
 

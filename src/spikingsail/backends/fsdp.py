@@ -29,6 +29,7 @@ class FSDPBackend(ProcessGroupBackend):
     name = "fsdp"
     honoured_deepspeed_keys: ClassVar[frozenset[str]] = frozenset()
     max_zero_stage: ClassVar[int] = 3
+    measures_balance = False  # its all-gathers in forward make a fast rank wait for a slow one
 
     def __init__(self, config: SailConfig, rank_info: RankInfo) -> None:
         super().__init__(config, rank_info)

@@ -7,14 +7,15 @@ each rank's loss is weighted by its share (``loss_weight``), so that the average
 over ranks is the mean over the whole global micro-batch: the optimizer step one process would
 take, whatever the split.
 
-``auto`` times the forward pass of the model's leaf modules on every rank (CUDA events on a GPU,
-the wall clock on a CPU). Leaf modules hold no collective — DDP's buffer broadcast, FSDP's
-all-gathers and the gradient all-reduce happen outside them, and synchronised batch norm is left
-out — so the time is this rank's compute, not its wait for the others. After a warm-up step it
-measures ``MEASURE_STEPS`` optimizer steps, splits in proportion to the ranks' samples per second,
-and keeps watching: when a rank's share of the total speed moves by more than
+``auto`` measures each rank's compute time per optimizer step: the step's time less the time the
+rank waited for the others at the end of backward (``ComputeTimer``), so that a fast rank's wait
+for a slow one does not count as work. After a warm-up step it measures ``MEASURE_STEPS`` optimizer
+steps, splits in proportion to the ranks' samples per second of compute over those steps, and
+keeps watching: when a rank's share of the total speed moves by more than
 ``rebalance_factor`` over the last ``MEASURE_STEPS`` steps, it splits again. Every rank decides from
-the same all-reduced numbers, so the split changes at the same step everywhere.
+the same all-reduced numbers, so the split changes at the same step everywhere. Backends whose
+ranks also wait for each other inside forward and backward (FSDP's all-gathers) would hide the
+difference there; they take fixed weights only.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -36,67 +36,81 @@ from spikingsail.data.sampler import split_batch
 log = logging.getLogger(__name__)
 
 WARMUP_STEPS = 1
-MEASURE_STEPS = 3
-_SYNCHRONISING = (nn.SyncBatchNorm,)
+MEASURE_STEPS = 8
 
 
-class ComputeTimer:
-    """Time spent inside the forward of a model's leaf modules on this rank, and the samples it saw."""
+class _Clock:
+    """Wall-clock marks on a CPU; CUDA events on a GPU, where the host runs ahead of the kernels."""
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.active = False
-        """Only the engine's training forwards count (an evaluation in between does not)."""
-        self.seconds = 0.0
-        self.samples = 0
-        self._events: list[tuple[Any, Any]] = []
-        self._started: dict[int, Any] = {}
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        for module in model.modules():
-            if next(module.children(), None) is not None or _synchronises(module):
-                continue
-            self._handles.append(module.register_forward_pre_hook(self._enter))
-            self._handles.append(module.register_forward_hook(self._leave))
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
 
-    def _now(self) -> Any:
+    def mark(self) -> Any:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             event.record()
             return event
         return time.perf_counter()
 
-    def _enter(self, module: nn.Module, args: Any) -> None:
-        if self.active:
-            self._started[id(module)] = self._now()
-
-    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        start = self._started.pop(id(module), None)
-        if start is None:
-            return
-        end = self._now()
+    def seconds(self, start: Any, end: Any) -> float:
         if self.cuda:
-            self._events.append((start, end))
-        else:
-            self.seconds += end - start
+            end.synchronize()
+            return float(start.elapsed_time(end)) / 1000.0
+        return float(end - start)
+
+
+class ComputeTimer:
+    """This rank's compute time between two optimizer steps: the step's time less the time it
+    waited for the other ranks at the end of backward (where DDP and Horovod finish their
+    all-reduce), and the samples it trained on.
+
+    The last gradient of a backward is ready when this rank's own work on it is done (a
+    ``post_accumulate_grad`` hook on every parameter); whatever backward takes after that is the
+    wait for the slowest rank's gradients. Time spent in the engine's own collective at the step
+    boundary is outside the window too.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.clock = _Clock(device.type == "cuda")
+        self.samples = 0
+        self._in_backward = False
+        self._last_grad: Any = None
+        self._waits: list[tuple[Any, Any]] = []
+        self._start = self.clock.mark()
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._grad_ready)  # type: ignore[no-untyped-call]
+            for p in model.parameters()
+            if p.requires_grad
+        ]
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        if self._in_backward:
+            self._last_grad = self.clock.mark()
+
+    def begin_backward(self) -> None:
+        self._in_backward, self._last_grad = True, None
+
+    def end_backward(self) -> None:
+        self._in_backward = False
+        if self._last_grad is not None:
+            self._waits.append((self._last_grad, self.clock.mark()))
 
     def take(self) -> tuple[float, int]:
-        """(seconds, samples) since the last ``take``."""
-        if self._events:
-            self._events[-1][1].synchronize()
-            self.seconds += sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
-            self._events.clear()
-        out = (self.seconds, self.samples)
-        self.seconds, self.samples = 0.0, 0
+        """(compute seconds, samples) since the last ``restart``."""
+        step = self.clock.seconds(self._start, self.clock.mark())
+        waited = sum(self.clock.seconds(a, b) for a, b in self._waits)
+        out = (max(step - waited, 1e-9), self.samples)
+        self._waits.clear()
+        self.samples = 0
         return out
+
+    def restart(self) -> None:
+        self._start = self.clock.mark()
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-
-def _synchronises(module: nn.Module) -> bool:
-    return isinstance(module, _SYNCHRONISING) or type(module).__name__ == "MultiStepSyncBatchNorm"
 
 
 class Balancer:
@@ -119,7 +133,9 @@ class Balancer:
         self.split = split_batch(global_micro_batch, self.weights)
         self.timer: ComputeTimer | None = None
         self._steps = 0
-        self._window: deque[list[float]] = deque(maxlen=MEASURE_STEPS)
+        self._window: deque[torch.Tensor] = deque(
+            maxlen=MEASURE_STEPS
+        )  # per step: [rank, (seconds, samples)]
         self._reference: list[float] | None = None  # the speed fractions the split was made from
         self.changes: list[dict[str, Any]] = []
         """Every change of split, for the monitor: step, speeds (samples/s), split."""
@@ -136,18 +152,21 @@ class Balancer:
         if self.auto and self.timer is None:
             self.timer = ComputeTimer(model, device)
 
+    def count(self, samples: int) -> None:
+        """A training forward of ``samples`` samples of this rank's share."""
+        if self.timer is not None:
+            self.timer.samples += samples
+
     @contextlib.contextmanager
-    def measuring(self, samples: int) -> Iterator[None]:
-        """Around a training forward of ``samples`` samples of this rank's share."""
+    def timing_backward(self) -> Iterator[None]:
         if self.timer is None:
             yield
             return
-        self.timer.samples += samples
-        self.timer.active = True
+        self.timer.begin_backward()
         try:
             yield
         finally:
-            self.timer.active = False
+            self.timer.end_backward()
 
     def after_step(
         self, step: int, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor], rank: int
@@ -159,15 +178,19 @@ class Balancer:
         seconds, samples = self.timer.take()
         self._steps += 1
         if self._steps <= WARMUP_STEPS:
+            self.timer.restart()
             return None
         mine = torch.zeros(self.world_size, 2, dtype=torch.float64)
         mine[rank] = torch.tensor([seconds, samples], dtype=torch.float64)
         both = all_reduce_sum(mine)
-        speeds = [float(n) / max(float(s), 1e-12) for s, n in both.tolist()]
-        self._window.append(speeds)
+        self.timer.restart()  # after the collective: its wait for the slowest rank is not compute
+        self._window.append(both)
         if len(self._window) < MEASURE_STEPS:
             return None
-        speeds = [statistics.median(column) for column in zip(*self._window, strict=True)]
+        # throughput over the whole window: a rank that stalls now and then (a throttled or shared
+        # device) is as slow as its stalls make it, which a median of steps would hide
+        totals = torch.stack(list(self._window)).sum(0).tolist()
+        speeds = [float(n) / max(float(t), 1e-12) for t, n in totals]
         fractions = [s / math.fsum(speeds) for s in speeds]
         if self._reference is not None and not self._moved(fractions):
             return None

@@ -8,7 +8,6 @@ parallelism to a ``Backend``.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
 import random
@@ -118,23 +117,30 @@ class Engine:
         sync = self.is_gradient_accumulation_boundary() or not torch.is_grad_enabled()
         self.snn.before_forward()
         inputs, kwargs = self.backend.prepare_inputs((inputs, kwargs))
-        with self.backend.gradient_sync(sync), self.precision.autocast(), self._measuring():
+        self._count_samples()
+        with self.backend.gradient_sync(sync), self.precision.autocast():
             return self.wrapped_module(*inputs, **kwargs)
 
-    def _measuring(self) -> contextlib.AbstractContextManager[None]:
-        """With ``balance: auto``, time this forward as a training micro-step of the balanced loader."""
+    def _count_samples(self) -> None:
+        """With ``balance: auto``, count this forward's samples when it trains on the balanced loader."""
         share = self._balanced_loader.share if self._balanced_loader is not None else None
-        if self.balancer is None or share is None or not (torch.is_grad_enabled() and self.module.training):
-            return contextlib.nullcontext()
-        return self.balancer.measuring(share[0])
+        if (
+            self.balancer is not None
+            and share is not None
+            and torch.is_grad_enabled()
+            and self.module.training
+        ):
+            self.balancer.count(share[0])
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` averaged over the accumulation window (and scaled for fp16)."""
         accumulation = self.config.gradient_accumulation_steps
         self._window_losses.append(loss.detach() / accumulation if accumulation > 1 else loss.detach())
-        if self.balancer is not None:
-            loss = loss * self._loss_weight()
-        self.backend.backward(loss)
+        if self.balancer is None:
+            self.backend.backward(loss)
+        else:
+            with self.balancer.timing_backward():
+                self.backend.backward(loss * self._loss_weight())
         self.snn.after_backward()
 
     def step(self) -> None:

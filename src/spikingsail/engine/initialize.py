@@ -212,6 +212,12 @@ def _check_zero_stage(config: SailConfig, backend: str, max_stage: int) -> None:
 
 
 def _check_balance(config: SailConfig, backend: type[Backend]) -> None:
+    if config.sail.balance == "auto" and backend.balances and not backend.measures_balance:
+        raise ConfigError(
+            f"{config.source}: sail.balance is 'auto', which backend {backend.name} cannot measure",
+            f"{backend.name}'s ranks wait for each other inside forward and backward, which hides a slow rank",
+            "give the weights yourself (a list per rank, or a map per host: the GPUs' relative speeds)",
+        )
     if config.sail.balance != "off" and not backend.balances:
         able = [name for name in available() if backend_class(name).balances]
         raise ConfigError(

@@ -1,0 +1,165 @@
+"""``sail.balance: auto`` on ranks made unequal for real: rank 1 runs in a cgroup with a CPU quota.
+
+The cgroup v1 ``cpu`` controller caps the whole process (every thread) at a share of one core, so
+rank 1 computes slower than rank 0 the way an older GPU would. Each rank also times the model on
+its own before training (``standalone``), under the same conditions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import spikingsail
+from spikingsail.environments import RankInfo
+from tests.multiprocess import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
+PERIOD_US = 10_000  # short periods: the quota slows rank 1 evenly, as a slower device would
+GLOBAL_MICRO = 512  # two ranks × 256: compute well above the all-reduce's time
+UNTHROTTLE_AT = 14
+STEPS = 30
+
+
+@pytest.fixture
+def slow_group() -> Iterator[Path]:
+    """A cgroup that gives its processes 40% of one core."""
+    assert (CPU_CGROUPS / "cpu.cfs_quota_us").exists(), (
+        f"the cgroup v1 cpu controller is not mounted at {CPU_CGROUPS}: these tests throttle a rank with it"
+    )
+    group = CPU_CGROUPS / f"sail-balance-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text(str(PERIOD_US * 40 // 100))
+        yield group
+    finally:
+        for _ in range(50):  # the ranks have exited; the group empties as they are reaped
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
+        torch.nn.Linear(512, 10),
+    )  # fmt: skip
+
+
+def standalone(net: torch.nn.Module, seconds: float = 1.0) -> torch.Tensor:
+    """Every rank's forward samples per second when timed alone, at the same moment on every rank."""
+    x = torch.randn(32, 256)
+    dist.barrier()
+    samples, start = 0, time.perf_counter()
+    with torch.no_grad():
+        while time.perf_counter() - start < seconds:
+            net(x)
+            samples += len(x)
+    mine = torch.zeros(dist.get_world_size(), dtype=torch.float64)
+    mine[dist.get_rank()] = samples / (time.perf_counter() - start)
+    dist.all_reduce(mine)
+    return mine
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(4)
+    return TensorDataset(torch.randn(16384, 256, generator=g), torch.randint(0, 10, (16384,), generator=g))
+
+
+def config(micro: int, **sail: Any) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+        "sail": {"progress_bar": False, **sail},
+    }
+
+
+def params(engine: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.module.named_parameters()}
+
+
+def one_process() -> dict[str, torch.Tensor]:
+    engine, _ = spikingsail.initialize(
+        model=model(), config=config(GLOBAL_MICRO), rank_info=RankInfo.single()
+    )
+    batches = iter(engine.dataloader(data()))
+    while engine.global_steps < STEPS:
+        x, y = next(batches)
+        engine.backward(F.cross_entropy(engine(x), y))
+        engine.step()
+    out = params(engine)
+    engine.close()
+    return out
+
+
+def auto_run(group: str, metrics: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        (Path(group) / "cgroup.procs").write_text(str(os.getpid()))
+    engine, _ = spikingsail.initialize(
+        model=model(), config=config(GLOBAL_MICRO // 2, balance="auto", metrics_path=metrics)
+    )
+    before = standalone(engine.module)
+    splits: list[list[int]] = []
+    batches = iter(engine.dataloader(data()))
+    while engine.global_steps < STEPS:
+        x, y = next(batches)
+        assert engine.balancer is not None and len(x) == engine.balancer.split[rank]
+        engine.backward(F.cross_entropy(engine(x), y))
+        engine.step()
+        splits.append(list(engine.balancer.split))
+        if engine.global_steps == UNTHROTTLE_AT and rank == 1:
+            (Path(group) / "cpu.cfs_quota_us").write_text("-1")
+    changes = list(engine.balancer.changes)
+    out = {"before": before.tolist(), "splits": splits, "changes": changes, "params": params(engine)}
+    engine.close()
+    return out
+
+
+def ratio(split: list[int]) -> float:
+    return split[0] / split[1]
+
+
+def test_auto_follows_the_ranks_speeds_and_still_trains_like_one_process(
+    slow_group: Path, tmp_path: Path
+) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    result = run_ranks(auto_run, 2, str(slow_group), str(metrics))[0]
+    standalone_ratio = result["before"][0] / result["before"][1]
+    assert standalone_ratio > 1.8, f"the quota did not slow rank 1 down: {result['before']}"
+    splits, changes = result["splits"], result["changes"]
+    assert splits[0] == [256, 256], "equal micro-batches until measured"
+    # measured over steps 2-9 (step 1 warms up): rank 0 takes the larger share, never more than
+    # its standalone speed says (rank 1 also waits in the all-reduce, where the quota costs it less)
+    throttled = splits[UNTHROTTLE_AT - 1]
+    assert changes[0]["step"] <= 1 + 8, changes
+    assert 1.5 <= ratio(throttled) <= standalone_ratio * 1.1, (throttled, standalone_ratio)
+    # the quota is lifted at step 14: a new split within 10 steps, towards equal shares
+    later = [c for c in changes if c["step"] > UNTHROTTLE_AT]
+    assert later and later[0]["step"] <= UNTHROTTLE_AT + 10, changes
+    assert ratio(splits[-1]) < ratio(throttled) / 1.25, (splits[-1], throttled)
+    # whatever the splits, the weights are one process's on the same global batches
+    for key, value in one_process().items():
+        torch.testing.assert_close(result["params"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    # rank 0 logs every change to the metrics file
+    logged = [
+        line["balance"] for line in map(json.loads, metrics.read_text().splitlines()) if "balance" in line
+    ]
+    assert [entry["split"] for entry in logged] == [c["split"] for c in changes]

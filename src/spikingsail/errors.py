@@ -41,3 +41,10 @@ class LaunchError(SailError):
 
 class CheckpointError(SailError):
     """A checkpoint is missing, incomplete or corrupt, or cannot be written or resumed here."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): the "why"
+    of a SailError made from an exception a library raised."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -30,9 +30,9 @@ from spikingsail.backends.process_group import (
     init_default_group,
     rendezvous_store,
 )
-from spikingsail.config.parse import INERT_DEEPSPEED_KEYS
+from spikingsail.config.parse import INERT_DEEPSPEED_KEYS, NOT_FOR_DEEPSPEED
 from spikingsail.engine.precision import Precision, native_bf16
-from spikingsail.errors import BackendError, CheckpointError
+from spikingsail.errors import BackendError, CheckpointError, first_line
 from spikingsail.tensors import map_tensors
 
 if TYPE_CHECKING:
@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 INSTALL_HINT = "DS_BUILD_OPS=0 pip install 'deepspeed==0.19.8'  (or: pip install 'spikingsail[deepspeed]')"
 STATE_TAG = "deepspeed"
 """The tag of DeepSpeed's checkpoint inside a SpikingSail checkpoint's ``state/`` directory."""
-_SAIL_SECTIONS = ("sail", "checkpoint", "snn", "horovod")
 _NEVER = 2**62  # DeepSpeed's own step log is replaced by SpikingSail's monitor
 
 
@@ -65,7 +64,7 @@ def import_deepspeed(where: str) -> Any:
 def deepspeed_config(raw: dict[str, Any], micro: int, accumulation: int, total: int) -> dict[str, Any]:
     """The dict handed to ``deepspeed.initialize``: the user's file without SpikingSail's sections,
     with the batch-size triple as SpikingSail resolved it for this world size."""
-    config = {key: value for key, value in raw.items() if key not in _SAIL_SECTIONS}
+    config = {key: value for key, value in raw.items() if key not in NOT_FOR_DEEPSPEED}
     config.update(train_batch_size=total, train_micro_batch_size_per_gpu=micro,
                   gradient_accumulation_steps=accumulation)  # fmt: skip
     config["steps_per_print"] = _NEVER
@@ -272,7 +271,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
         except Exception as err:  # DeepSpeed raises its own types too (ZeRORuntimeException)
             raise CheckpointError(
                 f"DeepSpeed could not load {directory / STATE_TAG}",
-                f"{type(err).__name__}: {_first_line(err)}",
+                f"{type(err).__name__}: {first_line(err)}",
                 "DeepSpeed checkpoints load with the same model and ZeRO stage (any world size "
                 "for stages 1-2 with elastic_checkpoint); resume from another checkpoint otherwise",
             ) from err
@@ -314,12 +313,7 @@ def _describe(err: BaseException) -> str:
             return f"{model}: " + "; ".join(
                 f"{'.'.join(map(str, e['loc']))}: {e['msg']} (found {e.get('input')!r})" for e in errors()
             )
-    return f"{type(err).__name__}: {_first_line(err)}"
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+    return f"{type(err).__name__}: {first_line(err)}"
 
 
 def _safe_globals() -> list[Any]:
@@ -346,7 +340,7 @@ def _safe_checkpoint_engine(engine: Any) -> Any:
             except Exception as err:  # torch raises several types for unreadable or unsafe files
                 raise CheckpointError(
                     f"cannot read {path}",
-                    _first_line(err),
+                    first_line(err),
                     "the file is damaged or holds objects other than tensors, plain data and "
                     "DeepSpeed's loss scaler; resume from another checkpoint",
                 ) from None

@@ -70,7 +70,7 @@ from spikingsail.checks import closest
 from spikingsail.config.schema import SailConfig
 from spikingsail.environments import RankInfo, RankSource
 from spikingsail.environments.horovod import store_agreed_by_horovod
-from spikingsail.errors import BackendError, ConfigError
+from spikingsail.errors import BackendError, ConfigError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ class HorovodBackend(Backend):
         except (RuntimeError, ValueError) as err:
             raise BackendError(
                 f"rank {info.rank} could not join the torch.distributed group at {address or 'rank 0'}",
-                str(err).splitlines()[0] if str(err) else type(err).__name__,
+                first_line(err),
                 "export MASTER_ADDR (an address of the first host that every host reaches) before "
                 "horovodrun, and GLOO_SOCKET_IFNAME if torch picks the wrong network interface",
             ) from err

@@ -15,7 +15,7 @@ from torch.distributed import HashStore, PrefixStore, Store, TCPStore  # type: i
 from spikingsail.backends.base import Backend
 from spikingsail.config.schema import SailConfig
 from spikingsail.environments import RankInfo, RankSource
-from spikingsail.errors import BackendError
+from spikingsail.errors import BackendError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def join_process_group(config: SailConfig, rank_info: RankInfo, device: torch.de
     except (RuntimeError, ValueError) as err:
         raise BackendError(
             f"rank {rank_info.rank} could not join the {backend} process group at {rank_info.init_method()}",
-            str(err).splitlines()[0] if str(err) else type(err).__name__,
+            first_line(err),
             "check that MASTER_ADDR resolves and MASTER_PORT is reachable from every node "
             "(`sail doctor -H hostfile` checks both)",
         ) from err

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from spikingsail.errors import CheckpointError
+from spikingsail.errors import CheckpointError, first_line
 
 METADATA = ".metadata"
 _DCP_CLASSES = {
@@ -164,7 +164,7 @@ class SafeFileSystemReader(FileSystemReader):
             raise
         except Exception as err:
             raise CheckpointError(
-                f"cannot read {path}", _first_line(err), "resume from another checkpoint"
+                f"cannot read {path}", first_line(err), "resume from another checkpoint"
             ) from None
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise CheckpointError(f"{path} does not hold DCP metadata", fix="resume from another checkpoint")
@@ -184,7 +184,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         except Exception as err:
             raise CheckpointError(
                 f"the value {fqn!r} in the checkpoint cannot be read safely",
-                _first_line(err),
+                first_line(err),
                 "checkpoints hold tensors and plain data only; resume from another checkpoint",
             ) from None
         if self.flatten_state_dict:
@@ -219,16 +219,11 @@ def describe(err: BaseException) -> str:
     """One line for an error, also for DCP's CheckpointException (a BaseException listing each rank's error)."""
     failures = _failures(err)
     if failures != [err]:
-        return "; ".join(f"{type(f).__name__}: {_first_line(f)}" for f in failures)
-    return _first_line(err)
+        return "; ".join(f"{type(f).__name__}: {first_line(f)}" for f in failures)
+    return first_line(err)
 
 
 def _failures(err: BaseException) -> list[BaseException]:
     if isinstance(err, CheckpointException):
         return [failure for failure, _trace in err.failures.values()]
     return [err]
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

@@ -37,7 +37,7 @@ from spikingsail.checkpoint.compatibility import check_resumable
 from spikingsail.checkpoint.store import CheckpointStore, seal
 from spikingsail.config.schema import SailConfig
 from spikingsail.environments import RankInfo
-from spikingsail.errors import CheckpointError
+from spikingsail.errors import CheckpointError, first_line
 
 log = logging.getLogger(__name__)
 _FAILED = "<failed>"
@@ -370,7 +370,7 @@ def _load(path: Path) -> Any:
     except Exception as err:  # torch raises several types for unreadable or unsafe files
         raise CheckpointError(
             f"cannot read {path}",
-            str(err).splitlines()[0],
+            first_line(err),
             "the file is damaged or holds objects other than tensors and plain data; "
             "resume from another checkpoint",
         ) from None

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from spikingsail.environments import slurm
 from spikingsail.errors import CheckpointError
 
 LOCK_NAME = ".sail-job.lock"
@@ -51,7 +52,7 @@ class Holder:
             host=socket.gethostname(),
             pid=os.getpid(),
             run_id=env.get("TORCHELASTIC_RUN_ID", ""),
-            slurm_job_id=env.get("SLURM_JOB_ID", ""),
+            slurm_job_id=slurm.job_id(env),
             started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             token=uuid.uuid4().hex,
         )

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from spikingsail.errors import CheckpointError
+from spikingsail.errors import CheckpointError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class CheckpointStore:
             try:
                 self.verify(candidate)
             except CheckpointError as err:
-                problems.append(str(err).splitlines()[0])
+                problems.append(first_line(err))
                 continue
             if problems:
                 log.warning(

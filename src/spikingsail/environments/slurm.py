@@ -57,6 +57,11 @@ class SlurmEnvironment(ClusterEnvironment):
         return int(counts[node]) if node < len(counts) else world_size
 
 
+def job_id(env: Mapping[str, str]) -> str:
+    """The SLURM job this process belongs to ("" outside SLURM)."""
+    return env.get("SLURM_JOB_ID", "")
+
+
 def job_port(env: Mapping[str, str]) -> int:
     """The job's port: every task of a job must agree on it without talking to the others, so it is
     derived from the job id, in a range clear of common services and of Linux's ephemeral ports."""

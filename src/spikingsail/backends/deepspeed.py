@@ -31,6 +31,7 @@ from spikingsail.backends.process_group import (
     rendezvous_store,
 )
 from spikingsail.config.parse import INERT_DEEPSPEED_KEYS, NOT_FOR_DEEPSPEED
+from spikingsail.config.schema import SailConfig
 from spikingsail.engine.precision import Precision, native_bf16
 from spikingsail.errors import BackendError, CheckpointError, first_line
 from spikingsail.tensors import map_tensors
@@ -61,14 +62,21 @@ def import_deepspeed(where: str) -> Any:
     return deepspeed
 
 
-def deepspeed_config(raw: dict[str, Any], micro: int, accumulation: int, total: int) -> dict[str, Any]:
-    """The dict handed to ``deepspeed.initialize``: the user's file without SpikingSail's sections,
-    with the batch-size triple as SpikingSail resolved it for this world size."""
-    config = {key: value for key, value in raw.items() if key not in NOT_FOR_DEEPSPEED}
-    config.update(train_batch_size=total, train_micro_batch_size_per_gpu=micro,
-                  gradient_accumulation_steps=accumulation)  # fmt: skip
-    config["steps_per_print"] = _NEVER
-    return config
+def deepspeed_config(config: SailConfig) -> dict[str, Any]:
+    """The dict handed to ``deepspeed.initialize``: the user's file without the sections DeepSpeed
+    does not read, with the batch-size triple as SpikingSail resolved it for this world size and
+    ``zero_optimization`` as validated (the legacy boolean form as the stage it means)."""
+    ds = {key: value for key, value in config.raw.items() if key not in NOT_FOR_DEEPSPEED}
+    ds.update(
+        train_batch_size=config.train_batch_size,
+        train_micro_batch_size_per_gpu=config.train_micro_batch_size_per_gpu,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+    )
+    if "zero_optimization" in ds:
+        zero = config.zero_optimization
+        ds["zero_optimization"] = {"stage": zero.stage, **zero.options}
+    ds["steps_per_print"] = _NEVER
+    return ds
 
 
 class DeepSpeedBackend(ProcessGroupBackend):
@@ -116,10 +124,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
         config = self.config
-        ds_config = deepspeed_config(
-            config.raw, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps,
-            config.train_batch_size,
-        )  # fmt: skip
+        ds_config = deepspeed_config(config)
         if optimizer is not None:
             ds_config.pop("optimizer", None)  # the client's wins (the engine warned)
             # a torch optimizer the script chose is what the user wants ZeRO to shard

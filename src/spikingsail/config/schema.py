@@ -95,7 +95,7 @@ class ZeroConfig:
     stage: int = 0
     """0 = off, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters."""
     options: dict[str, Any] = field(default_factory=dict)
-    """The other DeepSpeed ``zero_optimization`` keys, kept for backends that shard."""
+    """The other DeepSpeed ``zero_optimization`` keys, validated; the deepspeed backend hands them to DeepSpeed."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

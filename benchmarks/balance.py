@@ -1,0 +1,141 @@
+"""Mixed-speed ranks: samples/s with ``sail.balance`` off and auto, against the ideal, in one run.
+
+    python benchmarks/balance.py                    # needs root and the cgroup v1 cpu controller
+    python benchmarks/balance.py --quota 25 --steps 80
+
+Two gloo ranks on this machine, one thread each; rank 1 runs in a cgroup whose CPU quota is
+``--quota`` percent of one core (a period of 10 ms, so the slowdown is even, as on a slower
+device). The model is compute-bound (an MLP, 256-sample micro-batches per rank on average).
+
+standalone  each rank's training samples/s alone (forward, backward, SGD step, no all-reduce),
+            both at the same time, under the same quota; ideal = their sum
+off         2 ranks, equal micro-batches: every step waits for the slow rank
+auto        2 ranks, ``"sail": {"balance": "auto"}``: throughput of the steps after the first split
+
+Prints a table with each row's samples/s and its ratio to the ideal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import spikingsail
+from spikingsail.launchers.spawn import run_processes
+
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
+PERIOD_US = 10_000
+MICRO = 256
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+        torch.nn.Linear(1024, 10),
+    )  # fmt: skip
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(4)
+    return TensorDataset(torch.randn(65536, 256, generator=g), torch.randint(0, 10, (65536,), generator=g))
+
+
+def join(group: str) -> int:
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        (Path(group) / "cgroup.procs").write_text(str(os.getpid()))
+    return rank
+
+
+def standalone(group: str, seconds: float) -> float:
+    """Samples/s of plain training on this rank alone (no process group work in the loop)."""
+    join(group)
+    dist.init_process_group("gloo")
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    x, y = torch.randn(MICRO, 256), torch.randint(0, 10, (MICRO,))
+    dist.barrier()
+    samples, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        F.cross_entropy(net(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        samples += MICRO
+    speed = samples / (time.perf_counter() - start)
+    dist.barrier()
+    dist.destroy_process_group()
+    return speed
+
+
+def train(group: str, balance: str, steps: int) -> dict[str, Any]:
+    rank = join(group)
+    engine, _ = spikingsail.initialize(
+        model=model(),
+        config={"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+                "sail": {"progress_bar": False, "balance": balance}},
+    )  # fmt: skip
+    batches = iter(engine.dataloader(data()))
+    timed_from, start = steps // 3, 0.0  # auto has split by then (1 + 8 steps)
+    while engine.global_steps < steps:
+        if engine.global_steps == timed_from:
+            dist.barrier()
+            start = time.perf_counter()
+        x, y = next(batches)
+        engine.backward(F.cross_entropy(engine(x), y))
+        engine.step()
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    split = list(engine.balancer.split) if engine.balancer is not None else [MICRO, MICRO]
+    engine.close()
+    return {"rank": rank, "samples_per_s": (steps - timed_from) * 2 * MICRO / elapsed, "split": split}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quota", type=int, default=40, help="rank 1's CPU quota, percent of one core")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--seconds", type=float, default=3.0, help="length of the standalone measurement")
+    args = parser.parse_args()
+    if not (CPU_CGROUPS / "cpu.cfs_quota_us").exists():
+        raise SystemExit(
+            f"balance.py: no cgroup v1 cpu controller at {CPU_CGROUPS} (it slows rank 1 with it)"
+        )
+    group = CPU_CGROUPS / f"sail-balance-bench-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text(str(PERIOD_US * args.quota // 100))
+        alone = run_processes(standalone, 2, (str(group), args.seconds))
+        ideal = alone[0] + alone[1]
+        rows = [("standalone rank 0 (full core)", alone[0], None),
+                (f"standalone rank 1 ({args.quota}% of a core)", alone[1], None),
+                ("ideal (sum)", ideal, None)]  # fmt: skip
+        for balance in ("off", "auto"):
+            result = run_processes(train, 2, (str(group), balance, args.steps))[0]
+            rows.append((f"balance {balance}", result["samples_per_s"], result["split"]))
+    finally:
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+    print(f"\n{'run':40} {'samples/s':>10} {'÷ ideal':>8}  split")
+    for name, speed, split in rows:
+        print(f"{name:40} {speed:10.0f} {speed / ideal:8.2f}  {split or ''}")
+
+
+if __name__ == "__main__":
+    main()

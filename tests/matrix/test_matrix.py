@@ -29,6 +29,8 @@ def test_every_unsupported_cell_names_its_refusal() -> None:
     refusing = [c for c in all_cells() if c.refusal]
     assert {(c.backend, c.interruption) for c in refusing if c.balance == "off"} == {
         ("fsdp", "window"), ("deepspeed-zero2", "window"), ("deepspeed-zero2", "world")}  # fmt: skip
-    # DeepSpeed's engine needs equal micro-batches: every balanced DeepSpeed cell refuses
-    assert {c.backend for c in refusing if c.balance != "off"} == {"deepspeed-zero2"}
+    # DeepSpeed's engine needs equal micro-batches: every balanced DeepSpeed cell refuses; balanced
+    # cells of the other backends refuse what they refuse unbalanced
     assert all(c.refusal for c in all_cells() if c.balance != "off" and c.backend == "deepspeed-zero2")
+    assert {(c.backend, c.interruption) for c in refusing if c.balance != "off" and c.backend != "deepspeed-zero2"} == {
+        ("fsdp", "window")}  # fmt: skip

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import socket
 from typing import Any
 
 import pytest
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 
 import spikingsail
 from spikingsail.environments import RankInfo
+from spikingsail.errors import ConfigError
 
 SINGLE = RankInfo.single()
 
@@ -145,3 +148,25 @@ def test_inputs_are_moved_through_nested_structures() -> None:
     moved = map_tensors(({"x": [torch.ones(1)], "n": 3}, (torch.zeros(2),)), lambda t: t.to("meta"))
     assert moved[0]["n"] == 3
     assert moved[0]["x"][0].device.type == "meta" and moved[1][0].device.type == "meta"
+
+
+SGD = {"type": "SGD", "params": {"lr": 0.1}}
+
+
+def test_balance_by_host_names_a_host_without_a_weight() -> None:
+    host = socket.gethostname()
+    with pytest.raises(ConfigError, match=rf"sail\.balance has no weight for host\(s\) {re.escape(host)}"):
+        engine_for({"optimizer": SGD, "sail": {"progress_bar": False, "balance": {"elsewhere": 1}}})
+    engine = engine_for(
+        {"optimizer": SGD, "sail": {"progress_bar": False, "balance": {host: 2, "elsewhere": 1}}}
+    )
+    assert engine.balancer is not None and engine.balancer.split == [engine.train_micro_batch_size_per_gpu()]
+    engine.close()
+
+
+def test_balance_refuses_a_loss_not_from_the_engines_loader() -> None:
+    engine = engine_for({"optimizer": SGD, "sail": {"progress_bar": False, "balance": [1]}})
+    loss = F.mse_loss(engine(torch.randn(2, 4)), torch.zeros(2, 2))
+    with pytest.raises(ConfigError, match=r"this loss does not come from a batch of engine\.dataloader"):
+        engine.backward(loss)
+    engine.close()

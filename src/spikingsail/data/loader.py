@@ -3,7 +3,6 @@ position in the epoch is kept (in samples, over all ranks) so that a checkpoint 
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -63,9 +62,6 @@ class ShardedLoader:
             )
         else:
             self.sampler = ExactShardSampler(length, rank=rank, world_size=world_size)
-        self._blocks: deque[tuple[int, int]] = (
-            deque()
-        )  # (samples, block size) of batches handed to the loader
         self.share: tuple[int, int] | None = None
         """With ``shares``: (this rank's samples, the global micro-batch's) of the batch last handed out."""
         self.batch_size = batch_size
@@ -78,7 +74,7 @@ class ShardedLoader:
         self._own_generator = "generator" not in loader_kwargs
         self._generator = loader_kwargs.pop("generator", None) or torch.Generator()
         batching: dict[str, Any] = (
-            {"batch_sampler": _RecordedBlocks(self.sampler, self._blocks)}
+            {"batch_sampler": self.sampler}
             if isinstance(self.sampler, BalancedBatchSampler)
             else {"batch_size": batch_size, "sampler": self.sampler, "drop_last": drop_last}
         )
@@ -112,12 +108,11 @@ class ShardedLoader:
         if isinstance(self.sampler, ResumableShardSampler | BalancedBatchSampler):
             self.sampler.start = self.position
         step = self.batch_size * self.world_size
-        self._blocks.clear()
         for batch in self.loader:
             if self._active is not token:
                 return  # a newer pass (or a load) took over from this one
             if isinstance(self.sampler, BalancedBatchSampler):
-                self.share = self._blocks.popleft()
+                self.share = self.sampler.handed.popleft()
                 step = self.share[1]
             self.position += step
             if self.on_batch is not None:
@@ -169,19 +164,3 @@ class ExactShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.indices)
-
-
-class _RecordedBlocks(Sampler[list[int]]):
-    """A ``BalancedBatchSampler``'s batches, noting each one's share as the DataLoader takes it
-    (ahead of use when workers prefetch; the loader pops them in the same order)."""
-
-    def __init__(self, sampler: BalancedBatchSampler, record: deque[tuple[int, int]]) -> None:
-        self.sampler, self.record = sampler, record
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for indices, block in self.sampler.blocks():
-            self.record.append((len(indices), block))
-            yield indices
-
-    def __len__(self) -> int:
-        return len(self.sampler)

@@ -10,6 +10,7 @@ with the same global batch, every optimizer step sees the same samples.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -90,8 +91,9 @@ class BalancedBatchSampler(Sampler[list[int]]):
     split, so a step sees the samples it would on one process. ``shares()`` is asked at the start
     of every block: a new split takes effect at the next block on every rank alike. A last block
     shorter than a global micro-batch is split in the same proportions; it is dropped with
-    ``drop_last``, and when it has fewer samples than there are ranks. ``blocks()`` gives each
-    batch with the size of its block, which the loss weighting needs.
+    ``drop_last``, and when it has fewer samples than there are ranks. Each batch's (samples,
+    block size), which the loss weighting needs, goes into ``handed`` as the batch is taken (ahead of
+    use when DataLoader workers prefetch; the loader takes them out in the same order).
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         )
         self.shares, self.rank, self.drop_last = shares, rank, drop_last
         self.start = 0
+        self.handed: deque[tuple[int, int]] = deque()
 
     def set_epoch(self, epoch: int) -> None:
         self.order.set_epoch(epoch)
@@ -130,7 +133,10 @@ class BalancedBatchSampler(Sampler[list[int]]):
             position += block
 
     def __iter__(self) -> Iterator[list[int]]:
-        return (indices for indices, _ in self.blocks())
+        self.handed.clear()
+        for indices, block in self.blocks():
+            self.handed.append((len(indices), block))
+            yield indices
 
     def __len__(self) -> int:
         shares = self.shares()

@@ -369,13 +369,13 @@ def _check_semantics(config: SailConfig) -> None:
         check_scheduler(config.scheduler, where)
     _check_paths(config)
     if isinstance(config.sail.balance, tuple):
-        check_balance_weights(list(config.sail.balance), config, "rank")
+        check_balance_weights(list(config.sail.balance), config)
     _check_checkpoint(config)
 
 
-def check_balance_weights(weights: list[float], config: SailConfig, names: str | list[str]) -> None:
-    """Weights for every rank, each giving its rank at least one sample of a global micro-batch.
-    ``names``: what a weight belongs to — "rank", or the host of each rank."""
+def check_balance_weights(weights: list[float], config: SailConfig, hosts: list[str] | None = None) -> None:
+    """Weights for every rank, each giving its rank at least one sample of a global micro-batch;
+    ``hosts``: each rank's host, when the weights were given per host."""
     where, world = config.source, config.world_size
     global_micro = config.train_micro_batch_size_per_gpu * world
     if len(weights) != world:
@@ -387,7 +387,7 @@ def check_balance_weights(weights: list[float], config: SailConfig, names: str |
     total = math.fsum(weights)
     for rank, weight in enumerate(weights):
         if global_micro * weight / total < 1:
-            owner = f"rank {rank}" if names == "rank" else f"rank {rank} (host {names[rank]})"
+            owner = f"rank {rank}" + (f" (host {hosts[rank]})" if hosts else "")
             raise ConfigError(
                 f"{where}: sail.balance gives {owner} {global_micro * weight / total:.2f} of the "
                 f"{global_micro} samples of a global micro-batch",

@@ -129,8 +129,9 @@ class Balancer:
         self.world_size = world_size
         self.auto = weights is None
         self.rebalance_factor = rebalance_factor
-        self.weights: list[float] = list(weights) if weights is not None else [1.0] * world_size
-        self.split = split_batch(global_micro_batch, self.weights)
+        self.split = split_batch(
+            global_micro_batch, list(weights) if weights is not None else [1.0] * world_size
+        )
         self.timer: ComputeTimer | None = None
         self._steps = 0
         self._window: deque[torch.Tensor] = deque(
@@ -199,7 +200,7 @@ class Balancer:
         split = split_batch(self.global_micro_batch, speeds)
         if split == self.split:
             return None
-        self.split, self.weights = split, speeds
+        self.split = split
         change = {"step": step, "speeds": [round(s, 3) for s in speeds], "split": split}
         self.changes.append(change)
         if rank == 0:
@@ -212,20 +213,19 @@ class Balancer:
         limit = math.log(self.rebalance_factor)
         return any(abs(math.log(f / r)) > limit for f, r in zip(fractions, self._reference, strict=True))
 
+    def close(self) -> None:
+        """Take the timing hooks off the model."""
+        if self.timer is not None:
+            self.timer.remove()
+            self.timer = None
+
     def state_dict(self) -> dict[str, Any]:
-        return {"split": list(self.split), "weights": list(self.weights), "reference": self._reference}
+        return {"split": list(self.split), "reference": self._reference}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue with the saved split when it fits this job (same global micro-batch and world size)."""
+        """With ``auto``, continue with the saved split when it fits this job (the same global
+        micro-batch and world size); fixed weights always give the config's split."""
         split = [int(n) for n in state["split"]]
-        if (
-            len(split) == self.world_size
-            and sum(split) == self.global_micro_batch
-            and not self._fixed_weights()
-        ):
+        if self.auto and len(split) == self.world_size and sum(split) == self.global_micro_batch:
             self.split = split
-            self.weights = [float(w) for w in state["weights"]]
             self._reference = state["reference"]
-
-    def _fixed_weights(self) -> bool:
-        return not self.auto

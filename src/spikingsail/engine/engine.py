@@ -557,6 +557,8 @@ class Engine:
             log.error("%s", err)
         finally:
             self.monitor.close()
+            if self.balancer is not None:
+                self.balancer.close()
             if self._job_lock is not None:
                 self._job_lock.release()
             self._destroy_checkpoint_group()

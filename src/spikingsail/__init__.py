@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 from spikingsail.errors import BackendError, ConfigError, LaunchError, RankDiscoveryError, SailError
 
 if TYPE_CHECKING:
-    from spikingsail.config import SailConfig, load_config
+    from spikingsail.backends import load_config
+    from spikingsail.config import SailConfig
     from spikingsail.engine.engine import Engine
     from spikingsail.engine.initialize import SpikingSail, add_config_arguments, initialize
     from spikingsail.environments import RankInfo, discover_rank_info
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 # torch installation) without importing torch.
 _LAZY = {
     "SailConfig": "spikingsail.config",
-    "load_config": "spikingsail.config",
+    "load_config": "spikingsail.backends",
     "Engine": "spikingsail.engine.engine",
     "SpikingSail": "spikingsail.engine.initialize",
     "add_config_arguments": "spikingsail.engine.initialize",

@@ -228,13 +228,14 @@ def initialize(cfg: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("section", "extra", "message"),
     [
-        ({"compresion": "fp16"}, {}, r"horovod\.compresion is not a Horovod option(.|\n)*did you mean horovod\.compression"),
-        ({"compression": "int8"}, {}, r"horovod\.compression is 'int8'(.|\n)*one of: 'none', 'fp16'"),
-        ({"op": "Sum"}, {}, r"horovod\.op is 'Sum'(.|\n)*one of: 'Average', 'Adasum'"),
+        ({"compresion": "fp16"}, {}, r"unknown key 'compresion' in 'horovod'(.|\n)*did you mean 'compression'"),
+        ({"compression": "int8"}, {}, r"horovod\.compression is 'int8'(.|\n)*one of 'none', 'fp16'"),
+        ({"op": "Sum"}, {}, r"horovod\.op is 'Sum'(.|\n)*one of 'Average', 'Adasum'"),
+        ({"backward_passes_per_step": 0}, {}, r"horovod\.backward_passes_per_step"),
         ({"backward_passes_per_step": 4}, {}, r"horovod\.backward_passes_per_step is 4, but gradient_accumulation_steps is 2"),
         ({"op": "adasum"}, {}, r"horovod\.op is Adasum together with gradient_clipping(.|\n)*before the engine could"),
         ({"op": "Adasum"}, {"gradient_clipping": 0.0, "fp16": {"enabled": True}}, r"horovod\.op is Adasum together with fp16\.enabled"),
-        ("fp16", {}, r"'horovod' is str, not an object"),
+        ("fp16", {}, r"'horovod' must be an object"),
     ],
 )  # fmt: skip
 def test_bad_horovod_options_are_refused_before_anything_starts(
@@ -246,8 +247,8 @@ def test_bad_horovod_options_are_refused_before_anything_starts(
 
 
 def test_matching_backward_passes_per_step_and_case_insensitive_names_are_accepted() -> None:
+    from spikingsail.backends import load_config
     from spikingsail.backends.horovod import horovod_options
-    from spikingsail.config.parse import load_config
 
     cfg = {**config({"backend": "horovod", "clip": False}),
            "horovod": {"compression": "FP16", "op": "average", "backward_passes_per_step": 2}}  # fmt: skip

@@ -162,6 +162,21 @@ def test_a_choice_outside_its_fields_values(key: str, section: dict[str, Any], v
     assert message.startswith(f"<dict>: {key} is {value}") and f"fix: {fix}" in message
 
 
+def test_a_backends_own_section_is_checked_at_the_boundary_and_kept_from_deepspeed() -> None:
+    from spikingsail import backends
+    from spikingsail.backends.deepspeed import deepspeed_config
+    from spikingsail.backends.horovod import HorovodConfig
+
+    raw = {"train_micro_batch_size_per_gpu": 1, "horovod": {"compression": "FP16", "op": "adasum"}}
+    with pytest.raises(ConfigError, match="unknown key 'horovod' in the top level"):
+        load_config(raw, world_size=1)  # the table alone knows no backend's section
+    config = backends.load_config(raw, world_size=1)  # what initialize and spikingsail.load_config use
+    assert config.backend_sections == {"horovod": HorovodConfig(compression="fp16", op="Adasum")}
+    assert "horovod" not in deepspeed_config(config)
+    with pytest.raises(ConfigError, match=r"<dict>: horovod\.op is 'Sum'"):  # checked whatever the backend
+        backends.load_config({**raw, "horovod": {"op": "Sum"}}, world_size=1)
+
+
 def test_missing_file(tmp_path: Path) -> None:
     assert "does not exist" in error(tmp_path / "nope.json")
 

@@ -24,9 +24,8 @@ import numpy as np
 import pytest
 import torch
 
-from spikingsail.backends import backend_class
+from spikingsail.backends import backend_class, load_config
 from spikingsail.backends.horovod import horovod_options
-from spikingsail.config import load_config
 from spikingsail.engine.engine import seed_everything
 from spikingsail.engine.initialize import _check_zero_stage
 from spikingsail.engine.precision import select_precision

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
+from typing import Any
 
 from spikingsail.backends.base import Backend
+from spikingsail.config import SailConfig
+from spikingsail.config import load_config as _load_config
 from spikingsail.errors import BackendError
 
 # name -> "module:Class", so that choosing one backend never imports another's dependencies.
@@ -14,8 +18,13 @@ _REGISTRY: dict[str, str] = {
     "deepspeed": "spikingsail.backends.deepspeed:DeepSpeedBackend",
     "horovod": "spikingsail.backends.horovod:HorovodBackend",
 }
+# section -> "module:Dataclass": the top-level config sections a backend owns (its options), checked
+# at the config boundary like the table's own. The module must import without the backend's library.
+_SECTIONS: dict[str, str] = {
+    "horovod": "spikingsail.backends.horovod:HorovodConfig",
+}
 
-__all__ = ["Backend", "available", "backend_class", "sharding_backends"]
+__all__ = ["Backend", "available", "backend_class", "config_sections", "load_config", "sharding_backends"]
 
 
 def available() -> list[str]:
@@ -29,9 +38,23 @@ def backend_class(name: str, where: str = "<config>") -> type[Backend]:
             f"{where}: sail.backend '{name}' is not a SpikingSail backend",
             fix=f"choose one of: {', '.join(available())}",
         )
-    module_name, _, class_name = target.partition(":")
-    cls: type[Backend] = getattr(importlib.import_module(module_name), class_name)
+    cls: type[Backend] = _resolve(target)
     return cls
+
+
+def config_sections() -> dict[str, type[Any]]:
+    """Every backend's own config sections, by name."""
+    return {name: _resolve(target) for name, target in _SECTIONS.items()}
+
+
+def load_config(source: str | Path | dict[str, Any] | None, world_size: int) -> SailConfig:
+    """``spikingsail.config.load_config`` with the backends' sections: how a user's config is read."""
+    return _load_config(source, world_size, config_sections())
+
+
+def _resolve(target: str) -> Any:
+    module_name, _, name = target.partition(":")
+    return getattr(importlib.import_module(module_name), name)
 
 
 def sharding_backends(stage: int) -> list[str]:

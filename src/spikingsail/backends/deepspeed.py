@@ -66,7 +66,11 @@ def deepspeed_config(config: SailConfig) -> dict[str, Any]:
     """The dict handed to ``deepspeed.initialize``: the user's file without the sections DeepSpeed
     does not read, with the batch-size triple as SpikingSail resolved it for this world size and
     ``zero_optimization`` as validated (the legacy boolean form as the stage it means)."""
-    ds = {key: value for key, value in config.raw.items() if key not in NOT_FOR_DEEPSPEED}
+    ds = {
+        key: value
+        for key, value in config.raw.items()
+        if key not in NOT_FOR_DEEPSPEED and key not in config.backend_sections
+    }
     ds.update(
         train_batch_size=config.train_batch_size,
         train_micro_batch_size_per_gpu=config.train_micro_batch_size_per_gpu,

@@ -50,7 +50,7 @@ import sys
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -66,8 +66,8 @@ from spikingsail.backends.process_group import (
     leave_process_group,
     select_device,
 )
-from spikingsail.checks import closest
-from spikingsail.config.schema import SailConfig
+from spikingsail.checks import Range
+from spikingsail.config.schema import SailConfig, any_case, ranged
 from spikingsail.environments import RankInfo, RankSource
 from spikingsail.environments.horovod import store_agreed_by_horovod
 from spikingsail.errors import BackendError, ConfigError, first_line
@@ -79,9 +79,18 @@ INSTALL_HINT = (
     f'pip install "$(bash scripts/build-horovod.sh {sys.executable})"  (the script, in the SpikingSail '
     "source tree, builds Horovod 0.28.1 with PyTorch and Gloo for this torch, once: about 7 minutes)"
 )
-COMPRESSIONS = ("none", "fp16")
-OPS = ("Average", "Adasum")
-_KEYS = ("compression", "op", "backward_passes_per_step")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class HorovodConfig:
+    """The ``horovod`` section: this backend's own keys, checked at the config boundary."""
+
+    compression: Literal["none", "fp16"] = any_case("none")
+    """How gradients travel in the all-reduce."""
+    op: Literal["Average", "Adasum"] = any_case("Average")
+    """How the ranks' gradients are combined."""
+    backward_passes_per_step: int | None = ranged(None, Range(1, integer=True))
+    """Follows gradient_accumulation_steps; if given, it must equal it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,28 +103,10 @@ class HorovodOptions:
 def horovod_options(config: SailConfig) -> HorovodOptions:
     """The config's ``horovod`` section, checked against the rest of the config."""
     where = config.source
-    section = config.raw.get(SECTION, {})
-    if not isinstance(section, Mapping):
-        raise ConfigError(
-            f"{where}: '{SECTION}' is {type(section).__name__}, not an object",
-            "it holds the Horovod backend's options",
-            'write e.g. "horovod": {"compression": "fp16", "op": "Average"}',
-        )
-    for key in section:
-        if key not in _KEYS:
-            close = closest(str(key), _KEYS)
-            raise ConfigError(
-                f"{where}: {SECTION}.{key} is not a Horovod option",
-                f"the {SECTION} section takes {', '.join(_KEYS)}",
-                f"did you mean {SECTION}.{close}?" if close else f"remove {SECTION}.{key}",
-            )
-    compression = _choice(
-        section, "compression", COMPRESSIONS, where, "how gradients travel in the all-reduce"
-    )
-    op = _choice(section, "op", OPS, where, "how the ranks' gradients are combined")
+    section = config.backend_sections.get(SECTION) or HorovodConfig()
     accumulation = config.gradient_accumulation_steps
-    passes = section.get("backward_passes_per_step", accumulation)
-    if isinstance(passes, bool) or not isinstance(passes, int) or passes != accumulation:
+    passes = section.backward_passes_per_step
+    if passes is not None and passes != accumulation:
         raise ConfigError(
             f"{where}: {SECTION}.backward_passes_per_step is {passes!r}, but gradient_accumulation_steps "
             f"is {accumulation} for {config.world_size} process(es)",
@@ -124,7 +115,7 @@ def horovod_options(config: SailConfig) -> HorovodOptions:
             f"remove {SECTION}.backward_passes_per_step (it follows gradient_accumulation_steps) "
             f"or set it to {accumulation}",
         )
-    if op == "Adasum":
+    if section.op == "Adasum":
         for active, what in ((config.gradient_clipping > 0, "gradient_clipping"),
                              (config.fp16.enabled, "fp16.enabled")):  # fmt: skip
             if active:
@@ -134,18 +125,8 @@ def horovod_options(config: SailConfig) -> HorovodOptions:
                     "pass, before the engine could unscale or clip the gradients",
                     f'use "op": "Average", or turn {what} off (bf16 works with Adasum)',
                 )
-    return HorovodOptions(compression=compression, op=op, backward_passes_per_step=accumulation)
-
-
-def _choice(section: Mapping[str, Any], key: str, allowed: tuple[str, ...], where: str, what: str) -> str:
-    value = section.get(key, allowed[0])
-    for name in allowed:
-        if isinstance(value, str) and value.lower() == name.lower():
-            return name
-    raise ConfigError(
-        f"{where}: {SECTION}.{key} is {value!r}",
-        f"{SECTION}.{key} says {what}: one of {', '.join(allowed)}",
-        f'set "{key}" to one of: {", ".join(repr(a) for a in allowed)}',
+    return HorovodOptions(
+        compression=section.compression, op=section.op, backward_passes_per_step=accumulation
     )
 
 

@@ -75,6 +75,8 @@ def check_resumable(
 def _differences(saved: Any, current: Any, prefix: str, exempt: tuple[str, ...]) -> Iterator[str]:
     """``key: saved X, now Y`` for every differing key outside ``exempt``, sections compared key by
     key while both sides are sections."""
+    if (saved is _UNSET and current == {}) or (current is _UNSET and saved == {}):
+        return  # an empty section is what a checkpoint from before the section existed has
     if isinstance(saved, dict) and isinstance(current, dict):
         for key in sorted(set(saved) | set(current)):
             name = f"{prefix}{key}"

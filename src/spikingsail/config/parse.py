@@ -12,6 +12,7 @@ import json
 import math
 import re
 import types
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
@@ -86,17 +87,28 @@ _SCALARS: dict[str, type[Any]] = {
     "gradient_clipping": float,
     "steps_per_print": int,
 }
-# Sections read and validated by the backend they belong to (when it is chosen).
-BACKEND_SECTIONS = frozenset({"horovod"})
-TOP_LEVEL_KEYS = frozenset({*BATCH_KEYS, *_SECTIONS, *_SCALARS, *BACKEND_SECTIONS, "zero_optimization"})
-NOT_FOR_DEEPSPEED = frozenset({*(name for name, (_, ds) in _SECTIONS.items() if not ds), *BACKEND_SECTIONS})
-"""The sections the deepspeed backend leaves out of what it hands ``deepspeed.initialize``."""
+TOP_LEVEL_KEYS = frozenset({*BATCH_KEYS, *_SECTIONS, *_SCALARS, "zero_optimization"})
+NOT_FOR_DEEPSPEED = frozenset(name for name, (_, ds) in _SECTIONS.items() if not ds)
+"""The table's sections the deepspeed backend leaves out of what it hands ``deepspeed.initialize``
+(with every backend's own section: DeepSpeed reads none of them)."""
+_NO_SECTIONS: Mapping[str, type[Any]] = types.MappingProxyType({})
 
 
-def load_config(source: str | Path | dict[str, Any] | None, world_size: int) -> SailConfig:
-    """Read, validate and resolve a config for ``world_size`` processes."""
+def load_config(
+    source: str | Path | dict[str, Any] | None,
+    world_size: int,
+    backend_sections: Mapping[str, type[Any]] = _NO_SECTIONS,
+) -> SailConfig:
+    """Read, validate and resolve a config for ``world_size`` processes.
+
+    ``backend_sections`` adds top-level sections owned by others (a backend's options: name → dataclass),
+    checked here like the table's own and handed back in ``SailConfig.backend_sections``.
+    ``spikingsail.backends.load_config`` passes every registered backend's.
+    """
     raw, where = _read(source)
-    reject_unknown(raw, TOP_LEVEL_KEYS | INERT_DEEPSPEED_KEYS, where, "the top level")
+    reject_unknown(
+        raw, TOP_LEVEL_KEYS | backend_sections.keys() | INERT_DEEPSPEED_KEYS, where, "the top level"
+    )
     if "bf16" in raw and "bfloat16" in raw:
         raise ConfigError(
             f"{where}: both 'bf16' and 'bfloat16' are set",
@@ -122,6 +134,9 @@ def load_config(source: str | Path | dict[str, Any] | None, world_size: int) -> 
         world_size=world_size,
         zero_optimization=build_zero(raw.get("zero_optimization", False), where),
         inert_keys=tuple(sorted(k for k in raw if k in INERT_DEEPSPEED_KEYS)),
+        backend_sections={
+            name: _build(cls, raw[name], where, name) for name, cls in backend_sections.items() if name in raw
+        },
         source=where,
         raw=raw,
         **sections,
@@ -233,6 +248,8 @@ def _value(value: Any, hint: Any, declared: dataclasses.Field[Any], where: str, 
     """A field's value: of its type and, for numbers, within the range the schema declares."""
     if declared.metadata.get("parse") == "balance":
         return _balance(value, where, key)
+    if declared.metadata.get("any_case") and isinstance(value, str):  # a choice spelled in any case
+        value = next((a for a in _literal_args(hint) if a.lower() == value.lower()), value)
     # every float is at least finite: NaN would turn a check like "clip when > 0" silently off
     allowed: Range | None = declared.metadata.get("range") or (Range() if hint is float else None)
     if allowed is None or value is None:
@@ -257,6 +274,13 @@ def _coerce(value: Any, hint: Any, where: str, key: str) -> Any:
 
 
 _WRONG_TYPE = object()
+
+
+def _literal_args(hint: Any) -> tuple[str, ...]:
+    options = (
+        [a for a in get_args(hint) if a is not type(None)] if get_origin(hint) is not Literal else [hint]
+    )
+    return tuple(arg for a in options if get_origin(a) is Literal for arg in get_args(a))
 
 
 def _scalar(value: Any, hint: Any) -> Any:

@@ -8,6 +8,7 @@ user input.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,6 +47,11 @@ _CLIPPING = Range(
 def ranged(default: Any, allowed: Range) -> Any:
     """A field whose JSON value ``spikingsail.config.parse`` checks against ``allowed``."""
     return field(default=default, metadata={"range": allowed})
+
+
+def any_case(default: str) -> Any:
+    """A ``Literal`` field whose JSON value may be written in any case (``"FP16"`` for ``"fp16"``)."""
+    return field(default=default, metadata={"any_case": True})
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -186,6 +192,8 @@ class SailConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     snn: SNNConfig = field(default_factory=SNNConfig)
     sail: SailSection = field(default_factory=SailSection)
+    backend_sections: Mapping[str, Any] = field(default_factory=dict)
+    """Sections a backend owns (name → its validated dataclass), present in the file."""
     inert_keys: tuple[str, ...] = ()
     """DeepSpeed keys present in the file that SpikingSail accepts but does not act on."""
     source: str = "<dict>"

@@ -17,8 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from spikingsail.backends import load_config
 from spikingsail.backends.process_group import join_process_group, leave_process_group, select_device
-from spikingsail.config import load_config
 from spikingsail.environments import discover_rank_info
 from spikingsail.errors import SailError
 

@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 
-from spikingsail.backends import Backend, available, backend_class, sharding_backends
+from spikingsail.backends import Backend, available, backend_class, load_config, sharding_backends
 from spikingsail.checkpoint.store import CheckpointStore
-from spikingsail.config.parse import load_config
 from spikingsail.config.schema import SailConfig, summary
 from spikingsail.engine.engine import Engine, LRScheduler
 from spikingsail.environments import RankInfo, discover_rank_info

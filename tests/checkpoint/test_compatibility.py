@@ -1,0 +1,36 @@
+"""What a resume compares: the config as saved against the config as given, key by key."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spikingsail.backends import load_config
+from spikingsail.checkpoint.compatibility import check_resumable
+from spikingsail.errors import CheckpointError
+
+BASE = {"train_micro_batch_size_per_gpu": 2, "sail": {"backend": "horovod"}}
+
+
+def as_saved(raw: dict[str, Any]) -> dict[str, Any]:
+    """The config the way a checkpoint keeps it (engine_state saves asdict through JSON)."""
+    return json.loads(json.dumps(dataclasses.asdict(load_config(raw, world_size=2)), default=str))
+
+
+def test_a_backend_sections_change_is_named() -> None:
+    saved = as_saved(BASE)
+    current = as_saved({**BASE, "horovod": {"compression": "fp16"}})
+    with pytest.raises(CheckpointError, match=r"backend_sections\.horovod: saved <unset>"):
+        check_resumable(Path("ck"), saved, current, partial_window=False, with_optimizer=True)
+    check_resumable(Path("ck"), current, dict(current), partial_window=False, with_optimizer=True)
+
+
+def test_a_checkpoint_from_before_backend_sections_resumes() -> None:
+    current = as_saved(BASE)
+    saved = {k: v for k, v in current.items() if k != "backend_sections"}
+    assert current["backend_sections"] == {}
+    check_resumable(Path("ck"), saved, current, partial_window=False, with_optimizer=True)

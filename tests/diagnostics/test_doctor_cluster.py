@@ -88,6 +88,8 @@ def test_a_healthy_cluster_passes(cluster: NamespaceCluster, tmp_path: Path, lau
         assert {e["name"] for e in entries} >= {"fused_adam"}, entries
         assert all(not e["load_errors"] for e in entries)
     assert set(report["facts"]) == {"this machine", "node1", "node2"}
+    (balance,) = findings(report, "balance")
+    assert balance["status"] == "ok" and "balance is not needed" in balance["detail"], balance
 
 
 def test_the_text_report_is_a_table_with_a_summary(cluster: NamespaceCluster, tmp_path: Path) -> None:
@@ -294,6 +296,18 @@ def test_fewer_cores_than_slots(cluster: NamespaceCluster, node2: Restart, tmp_p
     assert "give node2 slots=1 in the hostfile" in slots["fix"]
     assert code == 0  # oversubscribed CPUs are slow, not broken: the all-reduce still passes
     assert findings(report, "all-reduce")[0]["status"] == "ok"
+
+
+def test_a_node_with_fewer_cores_gets_a_smaller_balance_weight(
+    cluster: NamespaceCluster, node2: Restart, tmp_path: Path
+) -> None:
+    node2(prelude="taskset -p -c 0 $$ >/dev/null")  # node2's processes get one core, node1's two
+    code, report, _ = doctor(cluster, tmp_path)
+    (balance,) = findings(report, "balance")
+    assert balance["status"] == "warn", balance
+    assert balance["detail"].startswith("ranks of unequal speed (node1 2, node2 1 core(s) per process)")
+    assert balance["fix"].startswith('set "sail": {"balance": {"node1": 2.0, "node2": 1.0}}')
+    assert code == 0
 
 
 def test_more_slots_asked_than_the_hostfile_has(cluster: NamespaceCluster, tmp_path: Path) -> None:

@@ -18,8 +18,10 @@ from spikingsail.diagnostics.nodes import node_report
 from spikingsail.launchers.preflight import diagnose
 from spikingsail.launchers.request import parse_request
 
-A100 = {"index": 0, "name": "NVIDIA A100-SXM4-40GB", "memory": 40 << 30, "capability": "8.0", "bf16": True}
-V100 = {"index": 0, "name": "Tesla V100S-PCIE-32GB", "memory": 32 << 30, "capability": "7.0", "bf16": False}
+A100 = {"index": 0, "name": "NVIDIA A100-SXM4-40GB", "memory": 40 << 30, "capability": "8.0", "bf16": True,
+        "tflops": 250.0}  # fmt: skip
+V100 = {"index": 0, "name": "Tesla V100S-PCIE-32GB", "memory": 32 << 30, "capability": "7.0", "bf16": False,
+        "tflops": 100.0}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +171,50 @@ def test_mixed_a100_and_v100_nodes_are_told_to_use_fp16(cpu_facts: dict[str, Any
     assert slots == {"node1": Status.OK, "node2": Status.OK}
     clocks = [f for f in report.findings if f.check == "clock"]
     assert all(f.status is Status.OK for f in clocks)
+
+
+def seed_004_cluster(cpu_facts: dict[str, Any], node1_gpus: list[dict[str, Any]]) -> Report:
+    """Seed 004's nodes: node1 with the given GPUs, node2 with two V100S; two processes each."""
+    request = parse_request(["-H", "node1:2,node2:2", "-m", "spikingsail.diagnostics.allreduce"])
+    node1 = {**gpu_machine(cpu_facts, node1_gpus), "host": "node1"}
+    node2 = {**gpu_machine(cpu_facts, [V100, {**V100, "index": 1}]), "host": "node2"}
+    results = [ProbeResult(host=f["host"], facts=f, received=f["time"]) for f in (node1, node2)]
+    report = Report()
+    node_report(request, cpu_facts, results, report)
+    return report
+
+
+def balance(report: Report) -> tuple[Status, str, str]:
+    (found,) = [f for f in report.findings if f.check == "balance"]
+    return found.status, found.detail, found.fix
+
+
+def test_a100_and_v100s_nodes_get_balance_weights_by_host(cpu_facts: dict[str, Any]) -> None:
+    status, detail, fix = balance(seed_004_cluster(cpu_facts, [A100, {**A100, "index": 1}]))
+    assert status is Status.WARN
+    assert detail.startswith("ranks of unequal speed (node1 250/250, node2 100/100 TFLOP/s (fp16 matmul))")
+    assert fix.startswith('set "sail": {"balance": {"node1": 2.5, "node2": 1.0}} in the config')
+    assert '"auto"' in fix
+
+
+def test_unequal_gpus_inside_a_node_get_one_weight_per_rank(cpu_facts: dict[str, Any]) -> None:
+    status, _, fix = balance(seed_004_cluster(cpu_facts, [A100, {**V100, "index": 1}]))
+    assert status is Status.WARN
+    assert fix.startswith('set "sail": {"balance": [2.5, 1.0, 1.0, 1.0]}')
+
+
+def test_equal_or_unmeasured_gpus_get_no_weights(cpu_facts: dict[str, Any]) -> None:
+    equal = seed_004_cluster(cpu_facts, [{**V100, "tflops": 105.0}, {**V100, "index": 1}])
+    assert balance(equal)[:2] == (
+        Status.OK,
+        "the ranks are about equally fast (node1 105/100, node2 100/100 TFLOP/s (fp16 matmul)): "
+        "balance is not needed",
+    )
+    busy = seed_004_cluster(cpu_facts, [{**A100, "tflops": None}, {**A100, "index": 1}])
+    assert balance(busy)[:2] == (
+        Status.OK,
+        "no weights suggested: a GPU's speed on node1 could not be measured",
+    )
 
 
 def test_fewer_gpus_than_slots_fails(cpu_facts: dict[str, Any]) -> None:

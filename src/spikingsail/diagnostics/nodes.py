@@ -7,6 +7,7 @@ while the other nodes try to connect to it, so "free" and "reachable" are measur
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -20,6 +21,8 @@ from spikingsail.launchers.request import LaunchRequest
 
 Facts = dict[str, Any]
 CLOCK_WARN_SECONDS = 1.0
+BALANCE_WARN_RATIO = 1.1
+"""Ranks whose speeds differ by more than this are worth balancing (`sail.balance`)."""
 # Differences that break a job (a mismatch in these fails), and those that only may.
 _MUST_MATCH = ("Python", "torch", "CUDA", "NCCL", "spikingsail")
 _VERSIONS: dict[str, Callable[[Facts], Any]] = {
@@ -78,6 +81,7 @@ def node_report(request: LaunchRequest, here: Facts, results: list[ProbeResult],
     report.findings += _versions(here, facts, report)
     report.findings += [_slots(nodes[h], f) for h, f in facts.items()]
     report.findings.append(_precision(facts))
+    report.findings.append(_balance([nodes[h] for h in facts], facts))
     report.findings += _port(request, results)
     report.findings += [_clock(r) for r in reached]
 
@@ -150,6 +154,45 @@ def _precision(facts: dict[str, Facts]) -> Finding:
     if any(f["torch"].get("gpus") for f in facts.values()):
         return ok("precision", "every GPU supports bf16 and fp16: bf16 needs no loss scaling")
     return ok("precision", "CPU nodes: fp32, or bf16/fp16 autocast (slower than fp32 on most CPUs)")
+
+
+def _balance(nodes: list[Node], facts: dict[str, Facts]) -> Finding:
+    """Weights for `sail.balance` when the ranks are of unequal speed: each GPU's measured fp16
+    matmul rate, or on CPU nodes the usable cores each process gets."""
+    speeds: dict[str, list[float]] = {}
+    units = set()
+    for node in nodes:
+        gpus = facts[node.host]["torch"].get("gpus") or []
+        if gpus:
+            units.add("TFLOP/s (fp16 matmul)")
+            measured = [float(gpus[s].get("tflops") or 0) if s < len(gpus) else 0.0 for s in node.slots]
+            if not all(measured):
+                return ok(
+                    "balance", f"no weights suggested: a GPU's speed on {node.host} could not be measured"
+                )
+            speeds[node.host] = measured
+        else:
+            units.add("core(s) per process")
+            speeds[node.host] = [facts[node.host]["cpus"]["usable"] / node.nproc] * node.nproc
+    if len(units) != 1:
+        return ok("balance", "no weights suggested: GPU and CPU nodes in one job")
+    (unit,) = units
+    slowest, fastest = min(min(per) for per in speeds.values()), max(max(per) for per in speeds.values())
+    shown = ", ".join(f"{host} {'/'.join(f'{s:g}' for s in per)}" for host, per in speeds.items())
+    if fastest <= BALANCE_WARN_RATIO * slowest:
+        return ok("balance", f"the ranks are about equally fast ({shown} {unit}): balance is not needed")
+    weights = {host: [round(s / slowest, 2) for s in per] for host, per in speeds.items()}
+    names = {
+        node.host: str(facts[node.host].get("host") or node.host) for node in nodes
+    }  # as the engine sees it
+    if all(len(set(w)) == 1 for w in weights.values()):
+        suggestion = json.dumps({names[host]: w[0] for host, w in weights.items()})
+    else:  # unequal GPUs inside a node: one weight per rank, in rank order
+        suggestion = json.dumps([x for w in weights.values() for x in w])
+    return warn("balance", f"ranks of unequal speed ({shown} {unit}): with equal micro-batches every "
+                "step waits for the slowest",
+                f'set "sail": {{"balance": {suggestion}}} in the config (weights from these speeds), or '
+                '"balance": "auto" to measure them while training; the result is the same training')  # fmt: skip
 
 
 def _port(request: LaunchRequest, results: list[ProbeResult]) -> list[Finding]:

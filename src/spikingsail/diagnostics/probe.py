@@ -102,7 +102,28 @@ def _gpu(torch: Any, index: int) -> Facts:
     # bf16 in hardware: compute capability 8.0 or newer (torch.cuda.is_bf16_supported() also
     # counts the slow emulation on a V100 or T4)
     return {"index": index, "name": props.name, "memory": props.total_memory,
-            "capability": f"{props.major}.{props.minor}", "bf16": props.major >= 8}  # fmt: skip
+            "capability": f"{props.major}.{props.minor}", "bf16": props.major >= 8,
+            "tflops": _matmul_tflops(torch, index)}  # fmt: skip
+
+
+def _matmul_tflops(torch: Any, index: int, size: int = 4096, repeats: int = 10) -> float | None:
+    """The GPU's measured fp16 matmul rate (every GPU since Volta has fp16 tensor cores): its speed
+    relative to the other GPUs of a job, from which `sail doctor -H` suggests balance weights."""
+    try:
+        device = torch.device("cuda", index)
+        a = torch.randn(size, size, device=device, dtype=torch.float16)
+        b = torch.randn(size, size, device=device, dtype=torch.float16)
+        torch.matmul(a, b)  # the first call picks the kernel
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(torch.cuda.current_stream(device))
+        for _ in range(repeats):
+            torch.matmul(a, b)
+        end.record(torch.cuda.current_stream(device))
+        end.synchronize()
+        seconds = float(start.elapsed_time(end)) / 1000
+        return round(2 * size**3 * repeats / seconds / 1e12, 1)
+    except Exception:  # a GPU that cannot run it (busy, out of memory) has no measured speed
+        return None
 
 
 def driver_facts() -> Facts:

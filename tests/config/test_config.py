@@ -264,3 +264,19 @@ def test_weights_are_accepted_where_gradients_are_averaged(backend: str) -> None
     _check_balance(
         load_config({**MICRO, "sail": {"backend": backend, "balance": [3, 1]}}, 2), backend_class(backend)
     )
+
+
+def test_auto_with_synchronised_batch_norm_is_refused_and_weights_are_not() -> None:
+    import torch
+
+    synced = {**MICRO, "snn": {"sync_batchnorm": True}, "sail": {"balance": "auto"}}
+    with pytest.raises(
+        ConfigError, match=r"'auto' together with snn\.sync_batchnorm(.|\n)*hides a slow rank"
+    ):
+        _check_balance(load_config(synced, 2), backend_class("ddp"))
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(4)))
+    auto = load_config({**MICRO, "sail": {"balance": "auto"}}, 2)
+    with pytest.raises(ConfigError, match="together with the model's SyncBatchNorm layers"):
+        _check_balance(auto, backend_class("ddp"), model)
+    weights = load_config({**synced, "sail": {"balance": [3, 1]}}, 2)
+    _check_balance(weights, backend_class("ddp"), model)

@@ -146,7 +146,7 @@ def initialize(
         log.info("SpikingSail config (%s):\n%s", rank_info.source, summary(sail_config))
         _report_unused(sail_config, backend_cls.name, backend_cls.honoured_deepspeed_keys)
     _check_zero_stage(sail_config, backend_cls.name, backend_cls.max_zero_stage)  # on every rank
-    _check_balance(sail_config, backend_cls)
+    _check_balance(sail_config, backend_cls, model)
     engine = Engine(
         model=model,
         config=sail_config,
@@ -210,12 +210,24 @@ def _check_zero_stage(config: SailConfig, backend: str, max_stage: int) -> None:
         )
 
 
-def _check_balance(config: SailConfig, backend: type[Backend]) -> None:
+def _check_balance(config: SailConfig, backend: type[Backend], model: torch.nn.Module | None = None) -> None:
+    weights = "give the weights yourself (a list per rank, or a map per host: the GPUs' relative speeds)"
     if config.sail.balance == "auto" and backend.balances and not backend.measures_balance:
         raise ConfigError(
             f"{config.source}: sail.balance is 'auto', which backend {backend.name} cannot measure",
             f"{backend.name}'s ranks wait for each other inside forward and backward, which hides a slow rank",
-            "give the weights yourself (a list per rank, or a map per host: the GPUs' relative speeds)",
+            weights,
+        )
+    synchronised = config.snn.sync_batchnorm or (
+        model is not None and any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
+    )
+    if config.sail.balance == "auto" and synchronised:
+        which = "snn.sync_batchnorm" if config.snn.sync_batchnorm else "the model's SyncBatchNorm layers"
+        raise ConfigError(
+            f"{config.source}: sail.balance is 'auto' together with {which}",
+            "synchronised batch norm makes the ranks wait for each other inside forward and backward, "
+            "which hides a slow rank from the measurement",
+            weights + " (weights work with synchronised batch norm)",
         )
     if config.sail.balance != "off" and not backend.balances:
         able = [name for name in available() if backend_class(name).balances]

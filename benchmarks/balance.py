@@ -2,10 +2,12 @@
 
     python benchmarks/balance.py                    # needs root and the cgroup v1 cpu controller
     python benchmarks/balance.py --quota 25 --steps 80
+    python benchmarks/balance.py --micro 256 --accumulation 1   # less compute per all-reduce
 
 Two gloo ranks on this machine, one thread each; rank 1 runs in a cgroup whose CPU quota is
 ``--quota`` percent of one core (a period of 10 ms, so the slowdown is even, as on a slower
-device). The model is compute-bound (an MLP, 256-sample micro-batches per rank on average).
+device). The model is compute-bound (an MLP; by default 1024-sample micro-batches per rank on
+average and 4 of them per optimizer step, so the all-reduce is a small part of a step).
 
 standalone  each rank's training samples/s alone (forward, backward, SGD step, no all-reduce),
             both at the same time, under the same quota; ideal = their sum
@@ -33,7 +35,6 @@ from spikingsail.launchers.spawn import run_processes
 
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 10_000
-MICRO = 256
 
 
 def model() -> torch.nn.Module:
@@ -57,34 +58,36 @@ def join(group: str) -> int:
     return rank
 
 
-def standalone(group: str, seconds: float) -> float:
+def standalone(group: str, seconds: float, micro: int) -> float:
     """Samples/s of plain training on this rank alone (no process group work in the loop)."""
     join(group)
     dist.init_process_group("gloo")
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
-    x, y = torch.randn(MICRO, 256), torch.randint(0, 10, (MICRO,))
+    x, y = torch.randn(micro, 256), torch.randint(0, 10, (micro,))
     dist.barrier()
     samples, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         F.cross_entropy(net(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
-        samples += MICRO
+        samples += micro
     speed = samples / (time.perf_counter() - start)
     dist.barrier()
     dist.destroy_process_group()
     return speed
 
 
-def train(group: str, balance: str, steps: int) -> dict[str, Any]:
+def train(group: str, balance: str, steps: int, micro: int, accumulation: int) -> dict[str, Any]:
     rank = join(group)
     engine, _ = spikingsail.initialize(
         model=model(),
-        config={"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+        config={"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
                 "sail": {"progress_bar": False, "balance": balance}},
     )  # fmt: skip
-    batches = iter(engine.dataloader(data()))
+    loader = engine.dataloader(data())
+    batches = (batch for _ in iter(int, 1) for batch in loader)  # epoch after epoch
     timed_from, start = steps // 3, 0.0  # auto has split by then (1 + 8 steps)
     while engine.global_steps < steps:
         if engine.global_steps == timed_from:
@@ -95,9 +98,10 @@ def train(group: str, balance: str, steps: int) -> dict[str, Any]:
         engine.step()
     dist.barrier()
     elapsed = time.perf_counter() - start
-    split = list(engine.balancer.split) if engine.balancer is not None else [MICRO, MICRO]
+    split = list(engine.balancer.split) if engine.balancer is not None else [micro, micro]
     engine.close()
-    return {"rank": rank, "samples_per_s": (steps - timed_from) * 2 * MICRO / elapsed, "split": split}
+    samples = (steps - timed_from) * 2 * micro * accumulation
+    return {"rank": rank, "samples_per_s": samples / elapsed, "split": split}
 
 
 def main() -> None:
@@ -105,7 +109,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quota", type=int, default=40, help="rank 1's CPU quota, percent of one core")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument(
+        "--steps", type=int, default=30, help="optimizer steps; the last two thirds are timed"
+    )
+    parser.add_argument("--micro", type=int, default=1024, help="samples per rank and micro-step, on average")
+    parser.add_argument("--accumulation", type=int, default=4, help="gradient_accumulation_steps")
     parser.add_argument("--seconds", type=float, default=3.0, help="length of the standalone measurement")
     args = parser.parse_args()
     if not (CPU_CGROUPS / "cpu.cfs_quota_us").exists():
@@ -117,13 +125,15 @@ def main() -> None:
     try:
         (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
         (group / "cpu.cfs_quota_us").write_text(str(PERIOD_US * args.quota // 100))
-        alone = run_processes(standalone, 2, (str(group), args.seconds))
+        alone = run_processes(standalone, 2, (str(group), args.seconds, args.micro))
         ideal = alone[0] + alone[1]
         rows = [("standalone rank 0 (full core)", alone[0], None),
                 (f"standalone rank 1 ({args.quota}% of a core)", alone[1], None),
                 ("ideal (sum)", ideal, None)]  # fmt: skip
         for balance in ("off", "auto"):
-            result = run_processes(train, 2, (str(group), balance, args.steps))[0]
+            result = run_processes(
+                train, 2, (str(group), balance, args.steps, args.micro, args.accumulation)
+            )[0]
             rows.append((f"balance {balance}", result["samples_per_s"], result["split"]))
     finally:
         for _ in range(50):

@@ -102,6 +102,25 @@ def test_a_failing_worker_fails_the_launch(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
+def test_the_agent_is_sail_launch_itself_forked_not_a_second_interpreter(tmp_path: Path) -> None:
+    script = tmp_path / "show.py"
+    script.write_text(
+        "import os, sys\n"
+        "agent = os.getppid()\n"
+        "with open(f'/proc/{agent}/stat') as stat:\n"
+        "    launcher = int(stat.read().rsplit(')', 1)[1].split()[1])\n"
+        "def cmdline(pid):\n"
+        "    with open(f'/proc/{pid}/cmdline', 'rb') as f:\n"
+        "        return f.read().split(b'\\0')\n"
+        "print('AGENT', cmdline(agent) == cmdline(launcher), b'torch.distributed.run' in cmdline(agent), file=sys.stderr)\n"
+    )
+    result = run_sail("launch", "-n", "2", str(script), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    # the workers' parent (torchrun's agent) runs sail launch's own command line: a fork of it
+    assert result.stderr.count("AGENT True False") == 2, result.stderr
+
+
+@pytest.mark.multiprocess
 def test_sigterm_stops_every_worker(tmp_path: Path) -> None:
     script = tmp_path / "sleep.py"
     script.write_text(

@@ -18,8 +18,10 @@ import subprocess
 import sys
 import termios
 import threading
-from collections.abc import Mapping
+import traceback
+from collections.abc import Callable, Mapping
 from types import FrameType
+from typing import NoReturn
 
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.base import Launcher
@@ -89,14 +91,18 @@ def run_local(
     from its standard error."""
     env = {**(os.environ if base_env is None else base_env), **command.env}
     reader, writer = _stderr_channel()
+    child: subprocess.Popen[bytes] | _ForkedAgent
     try:
         # the agent ends (and stops its workers) when sail launch dies, even of SIGKILL
-        child = subprocess.Popen(
-            command.argv,
-            env=env,
-            stderr=writer,
-            preexec_fn=die_with_this_process(),  # noqa: PLW1509
-        )
+        if _ForkedAgent.can_run(command.argv):
+            child = _ForkedAgent(command.argv[3:], env, (writer, reader), die_with_this_process())
+        else:
+            child = subprocess.Popen(
+                command.argv,
+                env=env,
+                stderr=writer,
+                preexec_fn=die_with_this_process(),  # noqa: PLW1509
+            )
     finally:
         os.close(writer)
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
@@ -125,6 +131,85 @@ def run_local(
     if code == 0:
         return code, None
     return code, Failure(host=command.host, exit_code=code, tail=list(tail))
+
+
+class _ForkedAgent:
+    """torchrun's agent in a fork of this process, instead of ``python -m torch.distributed.run``:
+    reading the command line with torchrun's own parser imported torch here already, and a fork
+    starts the agent without a second interpreter importing it again (about a second). The child
+    is what ``python -m torch.distributed.run FLAGS`` would be: torchrun's ``main(FLAGS)``, its
+    environment ``env``, standard error the write end of ``channel``, and its exit status (1 on an exception, with
+    the traceback, as Python's own)."""
+
+    @staticmethod
+    def can_run(argv: list[str]) -> bool:
+        return (
+            argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+            and "torch.distributed.run" in sys.modules
+        )
+
+    def __init__(
+        self,
+        flags: list[str],
+        env: Mapping[str, str],
+        channel: tuple[int, int],
+        arm: Callable[[], None] | None,
+    ) -> None:
+        self.returncode: int | None = None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - the child; its behaviour is the launch tests'
+            self._agent(flags, env, channel, arm)
+
+    @staticmethod
+    def _agent(
+        flags: list[str], env: Mapping[str, str], channel: tuple[int, int], arm: Callable[[], None] | None
+    ) -> NoReturn:
+        code = 1
+        try:
+            writer, reader = channel
+            os.dup2(writer, 2)
+            os.close(writer)
+            os.close(reader)
+            if arm is not None:
+                arm()
+            os.environ.clear()
+            os.environ.update(env)
+            sys.argv = ["torchrun", *flags]
+            from torch.distributed.run import main
+
+            main(flags)
+            code = 0
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def _stderr_channel() -> tuple[int, int]:

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -105,3 +106,28 @@ def _end_what_the_test_left(test_cluster: NamespaceCluster) -> None:
     for pid in test_cluster.job_processes():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
+
+
+@pytest.fixture
+def slow_group() -> Iterator[Path]:
+    """A cgroup v1 ``cpu`` group that gives its processes 40% of one core, in 10 ms periods (so the
+    slowdown is even, as on a slower device); a process joins by writing its pid to ``cgroup.procs``."""
+    assert (CPU_CGROUPS / "cpu.cfs_quota_us").exists(), (
+        f"the cgroup v1 cpu controller is not mounted at {CPU_CGROUPS}: these tests throttle a rank with it"
+    )
+    group = CPU_CGROUPS / f"sail-slow-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text("10000")
+        (group / "cpu.cfs_quota_us").write_text("4000")
+        yield group
+    finally:
+        for _ in range(50):  # the ranks have exited; the group empties as they are reaped
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,32 +25,9 @@ from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
-CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
-PERIOD_US = 10_000  # short periods: the quota slows rank 1 evenly, as a slower device would
 GLOBAL_MICRO = 512  # two ranks × 256: compute well above the all-reduce's time
 UNTHROTTLE_AT = 14
 STEPS = 30
-
-
-@pytest.fixture
-def slow_group() -> Iterator[Path]:
-    """A cgroup that gives its processes 40% of one core."""
-    assert (CPU_CGROUPS / "cpu.cfs_quota_us").exists(), (
-        f"the cgroup v1 cpu controller is not mounted at {CPU_CGROUPS}: these tests throttle a rank with it"
-    )
-    group = CPU_CGROUPS / f"sail-balance-{os.getpid()}"
-    group.mkdir()
-    try:
-        (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-        (group / "cpu.cfs_quota_us").write_text(str(PERIOD_US * 40 // 100))
-        yield group
-    finally:
-        for _ in range(50):  # the ranks have exited; the group empties as they are reaped
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
 
 
 def model() -> torch.nn.Module:

@@ -33,6 +33,8 @@ FREE = (
     "sail.deterministic",
     "sail.balance",  # how a global micro-batch is split over ranks: every split takes the same step
     "sail.rebalance_factor",
+    "sail.straggler_window",
+    "sail.straggler_factor",
     "zero_optimization",  # how state is sharded, not what it is
     "fp16.auto_cast",
     "source",

@@ -172,6 +172,10 @@ class SailSection:
     weight per rank, or {"host": weight}; each rank's share of every global micro-batch."""
     rebalance_factor: float = ranged(1.25, Range(1, FLOAT32_MAX, low_open=True, fix="e.g. 1.25"))
     """With balance "auto": split again when a rank's share of the total speed moves by more than this factor."""
+    straggler_window: int = ranged(20, Range(0, INT64_MAX, integer=True, fix="e.g. 20, or 0 for off"))
+    """Every this many optimizer steps the ranks compare their step-time breakdown (0 = off)."""
+    straggler_factor: float = ranged(1.25, Range(1, FLOAT32_MAX, low_open=True, fix="e.g. 1.25"))
+    """A rank whose work per step is this many times the other ranks' (median) for three windows in a row is warned of."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -39,7 +39,7 @@ WARMUP_STEPS = 1
 MEASURE_STEPS = 8
 
 
-class _Clock:
+class Clock:
     """Wall-clock marks on a CPU; CUDA events on a GPU, where the host runs ahead of the kernels."""
 
     def __init__(self, cuda: bool) -> None:
@@ -71,7 +71,7 @@ class ComputeTimer:
     """
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
-        self.clock = _Clock(device.type == "cuda")
+        self.clock = Clock(device.type == "cuda")
         self.samples = 0
         self._in_backward = False
         self._last_grad: Any = None

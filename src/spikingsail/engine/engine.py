@@ -35,6 +35,7 @@ from spikingsail.engine.balance import Balancer
 from spikingsail.engine.precision import Precision
 from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
 from spikingsail.engine.state import Entry, LoaderPositions, OptimizerHyperparameters, StepCounters
+from spikingsail.engine.stragglers import StragglerWatch
 from spikingsail.environments import RankInfo
 from spikingsail.errors import CheckpointError, ConfigError
 from spikingsail.monitor.steps import StepMonitor, StepRecord
@@ -78,6 +79,12 @@ class Engine:
                 self.module, optimizer, lr_scheduler
             )
             self.balancer = self._make_balancer()
+            self.stragglers = (
+                StragglerWatch(self.module, self.device, world_size=rank_info.world_size,
+                               window=config.sail.straggler_window, factor=config.sail.straggler_factor)
+                if config.sail.straggler_window and rank_info.world_size > 1 and dist.is_initialized()
+                else None
+            )  # fmt: skip
         except BaseException:
             backend.teardown()  # leave the process group: a failed start must not leave it up
             raise
@@ -118,8 +125,13 @@ class Engine:
         self.snn.before_forward()
         inputs, kwargs = self.backend.prepare_inputs((inputs, kwargs))
         self._count_samples()
+        timed = self.stragglers is not None and torch.is_grad_enabled() and self.module.training
+        start = self.stragglers.forward_begins() if timed else None  # type: ignore[union-attr]
         with self.backend.gradient_sync(sync), self.precision.autocast():
-            return self.wrapped_module(*inputs, **kwargs)
+            out = self.wrapped_module(*inputs, **kwargs)
+        if timed:
+            self.stragglers.forward_ends(start)  # type: ignore[union-attr]
+        return out
 
     def _count_samples(self) -> None:
         """With ``balance: auto``, count this forward's samples when it trains on the balanced loader."""
@@ -136,17 +148,23 @@ class Engine:
         """Backpropagate ``loss`` averaged over the accumulation window (and scaled for fp16)."""
         accumulation = self.config.gradient_accumulation_steps
         self._window_losses.append(loss.detach() / accumulation if accumulation > 1 else loss.detach())
+        start = self.stragglers.backward_begins() if self.stragglers is not None else None
         if self.balancer is None:
             self.backend.backward(loss)
         else:
             with self.balancer.timing_backward():
                 self.backend.backward(loss * self._loss_weight())
+        if self.stragglers is not None:
+            self.stragglers.backward_ends(start)
         self.snn.after_backward()
 
     def step(self) -> None:
         """End a micro-step; on an accumulation boundary, update the weights."""
         boundary = self.is_gradient_accumulation_boundary()
+        start = self.stragglers.optimizer_begins() if self.stragglers is not None else None
         skipped = self.backend.step(self.optimizer, self.lr_scheduler, boundary=boundary)
+        if self.stragglers is not None:
+            self.stragglers.optimizer_ends(start)
         if boundary:
             self._after_optimizer_step(skipped)
         self.counters.micro_steps += 1
@@ -236,6 +254,11 @@ class Engine:
         change = None
         if self.balancer is not None:
             change = self.balancer.after_step(counters.global_steps, self.backend.all_reduce_sum, self.rank)
+        stragglers = None
+        if self.stragglers is not None:
+            stragglers = self.stragglers.after_step(
+                counters.global_steps, self.rank, self.backend.all_reduce_sum, self._rank_hosts
+            )
         if self.monitor.wants(self.global_steps):
             losses = self._window_losses
             self.monitor.on_step(
@@ -246,6 +269,7 @@ class Engine:
                     loss_scale=self.loss_scale,
                     skipped=overflow,
                     balance=change,
+                    stragglers=stragglers,
                 )
             )
         self._window_losses = []
@@ -559,6 +583,8 @@ class Engine:
             self.monitor.close()
             if self.balancer is not None:
                 self.balancer.close()
+            if self.stragglers is not None:
+                self.stragglers.close()
             if self._job_lock is not None:
                 self._job_lock.release()
             self._destroy_checkpoint_group()

@@ -30,6 +30,8 @@ class StepRecord:
     skipped: bool
     balance: dict[str, Any] | None = None
     """A new split of the global micro-batch (``sail.balance: auto``) made at this step."""
+    stragglers: dict[str, Any] | None = None
+    """The ranks' step-time breakdown and scores, at the end of a straggler window."""
 
 
 class StepMonitor:
@@ -49,6 +51,7 @@ class StepMonitor:
         self._metrics: IO[str] | None = None
         self._last_time = self._print_time = time.perf_counter()
         self._print_step = 0
+        self._slowest = ""  # the slowest rank and its score, from the last straggler window
         # A bar redraws itself with carriage returns: on a terminal only, log lines elsewhere.
         if enabled and progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
@@ -70,6 +73,10 @@ class StepMonitor:
         if self._metrics is not None:
             self._write_metrics(record, loss, self.samples_per_step / max(now - self._last_time, 1e-9))
         self._last_time = now
+        if record.stragglers is not None:
+            scores = record.stragglers["scores"]
+            slowest = max(range(len(scores)), key=scores.__getitem__)
+            self._slowest = f"r{slowest} ×{scores[slowest]:.2f}"
         if not printing:
             if self._bar is not None:
                 self._bar.update(1)
@@ -80,14 +87,18 @@ class StepMonitor:
         if self._bar is not None:
             self._bar.update(1)
             if loss is not None:
-                self._bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{throughput:.0f}", refresh=False)
+                extra = {"slowest": self._slowest} if self._slowest else {}
+                self._bar.set_postfix(
+                    loss=f"{loss:.4f}", samples_per_s=f"{throughput:.0f}", **extra, refresh=False
+                )
             return
         log.info(
-            "step %d  loss %s  lr %.3g  %.0f samples/s%s",
+            "step %d  loss %s  lr %.3g  %.0f samples/s%s%s",
             record.step,
             "n/a" if loss is None else f"{loss:.4f}",
             record.lr,
             throughput,
+            f"  slowest {self._slowest}" if self._slowest else "",
             "  (skipped: fp16 overflow)" if record.skipped else "",
         )
 
@@ -105,6 +116,8 @@ class StepMonitor:
         }
         if record.balance is not None:
             line["balance"] = {"speeds": record.balance["speeds"], "split": record.balance["split"]}
+        if record.stragglers is not None:
+            line["stragglers"] = record.stragglers
         self._metrics.write(json.dumps(line) + "\n")
 
     def close(self) -> None:

@@ -1,0 +1,90 @@
+"""Straggler scores on ranks made unequal for real: rank 1 in a cgroup with a 40% CPU quota.
+
+A balanced run of the same job must not warn over a long run; the throttled one must name rank 1
+and its host within three windows of the throttle, in the log and the metrics file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import spikingsail
+from tests.multiprocess import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+WINDOW = 20
+MICRO = 128
+
+
+class Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def job(group: str | None, steps: int, metrics: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    if group and os.environ["RANK"] == "1":
+        (Path(group) / "cgroup.procs").write_text(str(os.getpid()))
+    warnings = Collect()
+    logging.getLogger("spikingsail.engine.stragglers").addHandler(warnings)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(  # tens of milliseconds of compute a step: well above the quota's period
+        torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+        torch.nn.Linear(1024, 10),
+    )  # fmt: skip
+    engine, _ = spikingsail.initialize(
+        model=net,
+        config={"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+                "sail": {"progress_bar": False, "straggler_window": WINDOW, "metrics_path": metrics}},
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    n = MICRO * 2 * steps
+    data = TensorDataset(torch.randn(n, 256, generator=g), torch.randint(0, 10, (n,), generator=g))
+    for x, y in engine.dataloader(data):
+        engine.backward(F.cross_entropy(engine(x), y))
+        engine.step()
+    engine.close()
+    return {"warnings": warnings.messages, "host": socket.gethostname()}
+
+
+def windows(metrics: Path) -> list[dict[str, Any]]:
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [{"step": line["step"], **line["stragglers"]} for line in lines if "stragglers" in line]
+
+
+def test_a_throttled_rank_is_named_with_its_host(slow_group: Path, tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    result = run_ranks(job, 2, str(slow_group), 4 * WINDOW, str(metrics))[0]
+    (warning,) = result["warnings"]  # once, not every window
+    assert warning.startswith(f"straggler: rank 1 on {result['host']} has taken "), warning
+    assert f"to step {3 * WINDOW};" in warning, "three windows of the throttle suffice"
+    assert "sail.balance" in warning
+    found = windows(metrics)
+    assert [w["step"] for w in found] == [WINDOW * i for i in range(1, 5)]
+    for window in found:
+        slow, fast = window["scores"][1], window["scores"][0]
+        assert slow > 1.5 * fast, window  # 40% of a core against a whole one
+        assert set(window["ms_per_step"]) == {"data", "forward", "backward", "comm", "optimizer"}
+        # the fast rank's wait for the slow one is communication, not work
+        assert window["ms_per_step"]["comm"][0] > window["ms_per_step"]["comm"][1], window
+
+
+def test_a_balanced_run_raises_no_alarm(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    result = run_ranks(job, 2, None, 20 * WINDOW, str(metrics))[0]
+    assert result["warnings"] == []
+    assert len(windows(metrics)) == 20

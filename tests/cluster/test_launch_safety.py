@@ -114,6 +114,10 @@ def test_dry_run_shows_no_secret(cluster: NamespaceCluster, tmp_path: Path) -> N
     assert "WANDB_API_KEY='****'" in result.stdout and given_secret not in result.stdout + result.stderr
 
 
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def sail_pid(out: str) -> int:
     """The ``sail launch`` process of the job writing to ``out`` (salloc's command line names it too:
     sail is the one that starts with its Python)."""
@@ -271,7 +275,9 @@ def test_platform_mode_every_signal_to_each_nodes_launcher_leaves_nothing(
     try:
         logs = lambda: "".join((tmp_path / f"launch{r}.log").read_text()[-2000:] for r in (0, 1))  # noqa: E731
         wait_for(lambda: started(tmp_path), 90, logs)
-        sails = [p for p, line in processes_with(out).items() if line.startswith(" ".join(SAIL))]
+        found = [p for p, line in processes_with(out).items() if line.startswith(" ".join(SAIL))]
+        # each sail's torchrun agent is a fork of it, with its command line: the sails are the parents
+        sails = [p for p in found if parent(p) not in found]
         assert len(sails) == 2, processes_with(out)
         for pid in sails:
             os.kill(pid, signum)

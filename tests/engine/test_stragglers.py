@@ -10,9 +10,12 @@ import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import matplotlib.image
 import pytest
 import torch
 import torch.nn.functional as F
@@ -81,6 +84,14 @@ def test_a_throttled_rank_is_named_with_its_host(slow_group: Path, tmp_path: Pat
         assert set(window["ms_per_step"]) == {"data", "forward", "backward", "comm", "optimizer"}
         # the fast rank's wait for the slow one is communication, not work
         assert window["ms_per_step"]["comm"][0] > window["ms_per_step"]["comm"][1], window
+    # `sail report` draws the run: PNGs that decode, and a summary naming the slowest rank
+    report = subprocess.run([sys.executable, "-m", "spikingsail.cli.main", "report", str(metrics)],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    assert "slowest rank : rank 1, ×" in report.stdout, report.stdout
+    for name in ("loss", "lr", "throughput", "breakdown", "stragglers"):
+        image = matplotlib.image.imread(tmp_path / f"{name}.png")
+        assert image.ndim == 3 and image.shape[0] > 100 and image.std() > 0, name
 
 
 def test_a_balanced_run_raises_no_alarm(tmp_path: Path) -> None:

@@ -21,12 +21,13 @@ commands:
   doctor     check this machine (-H: every node of a hostfile) for the set-up mistakes that make
              jobs fail or hang, with a fix for each
   bench      measure things: `sail bench comm` times all-reduce, all-gather and broadcast
+  report     draw a run's metrics file: loss, lr, samples/s, each rank's step-time breakdown
 
 Run `sail <command> --help` for a command's options.
 """
 
 
-_COMMANDS = ("launch", "submit", "doctor", "bench")  # each a module of spikingsail.cli
+_COMMANDS = ("launch", "submit", "doctor", "bench", "report")  # each a module of spikingsail.cli
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -32,6 +31,7 @@ import torch
 from torch import nn
 
 from spikingsail.data.sampler import split_batch
+from spikingsail.engine.timing import Clock, LastGradient
 
 log = logging.getLogger(__name__)
 
@@ -39,61 +39,29 @@ WARMUP_STEPS = 1
 MEASURE_STEPS = 8
 
 
-class Clock:
-    """Wall-clock marks on a CPU; CUDA events on a GPU, where the host runs ahead of the kernels."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-
-    def mark(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def seconds(self, start: Any, end: Any) -> float:
-        if self.cuda:
-            end.synchronize()
-            return float(start.elapsed_time(end)) / 1000.0
-        return float(end - start)
-
-
 class ComputeTimer:
     """This rank's compute time between two optimizer steps: the step's time less the time it
     waited for the other ranks at the end of backward (where DDP and Horovod finish their
     all-reduce), and the samples it trained on.
 
-    The last gradient of a backward is ready when this rank's own work on it is done (a
-    ``post_accumulate_grad`` hook on every parameter); whatever backward takes after that is the
-    wait for the slowest rank's gradients. Time spent in the engine's own collective at the step
-    boundary is outside the window too.
+    The wait is what backward takes after this rank's last gradient (``LastGradient``). Time spent
+    in the engine's own collective at the step boundary is outside the window too.
     """
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.clock = Clock(device.type == "cuda")
         self.samples = 0
-        self._in_backward = False
-        self._last_grad: Any = None
+        self.last_gradient = LastGradient(model, self.clock)
         self._waits: list[tuple[Any, Any]] = []
         self._start = self.clock.mark()
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._grad_ready)  # type: ignore[no-untyped-call]
-            for p in model.parameters()
-            if p.requires_grad
-        ]
-
-    def _grad_ready(self, param: torch.Tensor) -> None:
-        if self._in_backward:
-            self._last_grad = self.clock.mark()
 
     def begin_backward(self) -> None:
-        self._in_backward, self._last_grad = True, None
+        self.last_gradient.begin()
 
     def end_backward(self) -> None:
-        self._in_backward = False
-        if self._last_grad is not None:
-            self._waits.append((self._last_grad, self.clock.mark()))
+        last = self.last_gradient.end()
+        if last is not None:
+            self._waits.append((last, self.clock.mark()))
 
     def take(self) -> tuple[float, int]:
         """(compute seconds, samples) since the last ``restart``."""
@@ -108,9 +76,7 @@ class ComputeTimer:
         self._start = self.clock.mark()
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self.last_gradient.remove()
 
 
 class Balancer:

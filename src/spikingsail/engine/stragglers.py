@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from spikingsail.engine.balance import Clock
+from spikingsail.engine.timing import Clock, LastGradient
 
 log = logging.getLogger(__name__)
 
@@ -45,21 +45,11 @@ class StragglerWatch:
         self.factor = factor
         self._spans: list[tuple[int, Any, Any]] = []  # (phase, start, end), resolved at the window's end
         self._last_end: Any = None
-        self._in_backward = False
-        self._last_grad: Any = None
         self._steps = 0
         self._above = [0] * world_size
         self._warned: set[int] = set()
         self.hosts: list[str] | None = None
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._grad_ready)  # type: ignore[no-untyped-call]
-            for p in model.parameters()
-            if p.requires_grad
-        ]
-
-    def _grad_ready(self, _param: torch.Tensor) -> None:
-        if self._in_backward:
-            self._last_grad = self.clock.mark()
+        self.last_gradient = LastGradient(model, self.clock)
 
     def _span(self, phase: str, start: Any, end: Any) -> None:
         self._spans.append((PHASES.index(phase), start, end))
@@ -75,17 +65,17 @@ class StragglerWatch:
         self._span("forward", start, self._last_end)
 
     def backward_begins(self) -> Any:
-        self._in_backward, self._last_grad = True, None
+        self.last_gradient.begin()
         return self.clock.mark()
 
     def backward_ends(self, start: Any) -> None:
-        self._in_backward = False
+        last = self.last_gradient.end()
         end = self.clock.mark()
-        if self._last_grad is None:  # nothing needed a gradient: no wait to tell apart
+        if last is None:  # nothing needed a gradient: no wait to tell apart
             self._span("backward", start, end)
         else:
-            self._span("backward", start, self._last_grad)
-            self._span("comm", self._last_grad, end)
+            self._span("backward", start, last)
+            self._span("comm", last, end)
         self._last_end = end
 
     def optimizer_begins(self) -> Any:
@@ -153,6 +143,4 @@ class StragglerWatch:
             )  # fmt: skip
 
     def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self.last_gradient.remove()

@@ -1,0 +1,29 @@
+"""``sail report``: a run's metrics file as PNG plots and a short summary."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from spikingsail.monitor.report import draw, metrics_file, read_run, summary
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sail report",
+        description="Draw a run's metrics file (sail.metrics_path): loss, learning rate, samples/s and, "
+        "with several ranks, each rank's step-time breakdown and straggler score over time.",
+    )
+    p.add_argument("run", type=Path, help="the metrics file (JSON lines), or the directory that holds it")
+    p.add_argument("--out", type=Path, help="where the PNGs go (default: beside the metrics file)")
+    return p
+
+
+def run(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    path = metrics_file(args.run)
+    metrics = read_run(path)
+    print(f"{path}:\n{summary(metrics)}")
+    for png in draw(metrics, args.out or path.parent):
+        print(f"wrote {png}")
+    return 0

@@ -138,8 +138,8 @@ class _ForkedAgent:
     reading the command line with torchrun's own parser imported torch here already, and a fork
     starts the agent without a second interpreter importing it again (about a second). The child
     is what ``python -m torch.distributed.run FLAGS`` would be: torchrun's ``main(FLAGS)``, its
-    environment ``env``, standard error the write end of ``channel``, and its exit status (1 on an exception, with
-    the traceback, as Python's own)."""
+    environment ``env``, standard error the write end of ``channel``, and its exit status (1 on
+    an exception, with the traceback, as Python's own)."""
 
     @staticmethod
     def can_run(argv: list[str]) -> bool:
@@ -181,8 +181,10 @@ class _ForkedAgent:
 
             main(flags)
             code = 0
-        except SystemExit as stop:
+        except SystemExit as stop:  # as the interpreter ends on one: a message is printed, status 1
             code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+            if stop.code is not None and not isinstance(stop.code, int):
+                print(stop.code, file=sys.stderr)
         except BaseException:
             traceback.print_exc()
         finally:

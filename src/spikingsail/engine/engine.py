@@ -125,12 +125,12 @@ class Engine:
         self.snn.before_forward()
         inputs, kwargs = self.backend.prepare_inputs((inputs, kwargs))
         self._count_samples()
-        timed = self.stragglers is not None and torch.is_grad_enabled() and self.module.training
-        start = self.stragglers.forward_begins() if timed else None  # type: ignore[union-attr]
+        watch = self.stragglers if torch.is_grad_enabled() and self.module.training else None
+        start = watch.forward_begins() if watch is not None else None
         with self.backend.gradient_sync(sync), self.precision.autocast():
             out = self.wrapped_module(*inputs, **kwargs)
-        if timed:
-            self.stragglers.forward_ends(start)  # type: ignore[union-attr]
+        if watch is not None:
+            watch.forward_ends(start)
         return out
 
     def _count_samples(self) -> None:

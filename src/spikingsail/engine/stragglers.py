@@ -12,8 +12,8 @@ optimizer  ``engine.step()``
 
 Every ``window`` optimizer steps the ranks sum their phases in one small all-reduce at the step
 boundary (never inside a phase), and each rank's score is its own work (every phase but comm)
-over the median of the other ranks' work. A rank whose score stays at or above ``factor`` for three windows in a row
-is a straggler: rank 0 warns once, naming its rank and host, until it recovers.
+over the median of the other ranks' work. A rank whose score stays at or above ``factor`` for
+three windows in a row is a straggler: rank 0 warns once, naming its rank and host, until it recovers.
 """
 
 from __future__ import annotations
@@ -97,10 +97,12 @@ class StragglerWatch:
         self._steps += 1
         if self._steps % self.window:
             return None
-        mine = torch.zeros(self.world_size, len(PHASES), dtype=torch.float64)
+        totals = [0.0] * len(PHASES)
         for phase, start, end in self._spans:
-            mine[rank, phase] += self.clock.seconds(start, end)
+            totals[phase] += self.clock.seconds(start, end)
         self._spans.clear()
+        mine = torch.zeros(self.world_size, len(PHASES), dtype=torch.float64)
+        mine[rank] = torch.tensor(totals, dtype=torch.float64)
         if self.hosts is None:
             self.hosts = hosts()  # a collective: every rank asks at the same window
         times = all_reduce_sum(mine)

@@ -16,14 +16,6 @@ from typing import Any
 
 from spikingsail.errors import SailError
 
-PHASES = (
-    "data",
-    "forward",
-    "backward",
-    "comm",
-    "optimizer",
-)  # engine/stragglers.py's, without importing torch
-
 
 class ReportError(SailError):
     """A metrics file that cannot be read or drawn."""
@@ -181,8 +173,9 @@ def _draw_windows(run: Run, canvas: _Canvas) -> None:
     windows = run.windows
     ranks = range(len(windows[0]["scores"]))
     steps = [w["step"] for w in windows]
-    fig, axes = canvas.axes(len(PHASES))
-    for ax, phase in zip(axes, PHASES, strict=True):
+    phases = list(windows[0]["ms_per_step"])  # as the engine named them, in its order
+    fig, axes = canvas.axes(len(phases))
+    for ax, phase in zip(axes, phases, strict=True):
         for rank in ranks:
             ax.plot(steps, [w["ms_per_step"][phase][rank] for w in windows], label=f"rank {rank}")
         ax.set_title(phase)

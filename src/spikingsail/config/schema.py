@@ -176,6 +176,10 @@ class SailSection:
     """Every this many optimizer steps the ranks compare their step-time breakdown (0 = off)."""
     straggler_factor: float = ranged(1.25, Range(1, FLOAT32_MAX, low_open=True, fix="e.g. 1.25"))
     """A rank whose work per step is this many times the other ranks' (median) for three windows in a row is warned of."""
+    hang_timeout_seconds: float = ranged(300.0, Range(0, FLOAT32_MAX, fix="e.g. 300, or 0 for off"))
+    """When no rank makes progress for this long, report who holds the job up (stacks included) and end it (0 = off)."""
+    log_dir: str | None = None
+    """Where the run's reports go (a hang report); default: beside metrics_path, else the working directory."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

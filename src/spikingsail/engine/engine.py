@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,9 @@ from spikingsail.engine.state import Entry, LoaderPositions, OptimizerHyperparam
 from spikingsail.engine.stragglers import StragglerWatch
 from spikingsail.environments import RankInfo
 from spikingsail.errors import CheckpointError, ConfigError
+from spikingsail.monitor import heartbeat
+from spikingsail.monitor.hangwatch import BACKWARD, CHECKPOINT, COLLECTIVE, FORWARD, OPTIMIZER
+from spikingsail.monitor.heartbeat import Heartbeat, NoHeartbeat
 from spikingsail.monitor.steps import StepMonitor, StepRecord
 from spikingsail.snn.encoding import encode
 from spikingsail.snn.support import SpikingSupport
@@ -85,6 +89,7 @@ class Engine:
                 if config.sail.straggler_window and rank_info.world_size > 1 and dist.is_initialized()
                 else None
             )  # fmt: skip
+            self.heartbeat, self._hang_watch = self._start_hang_watch()
         except BaseException:
             backend.teardown()  # leave the process group: a failed start must not leave it up
             raise
@@ -119,6 +124,7 @@ class Engine:
         return self.forward(*inputs, **kwargs)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.heartbeat.enter(FORWARD)
         if self._move_inputs:
             inputs, kwargs = map_tensors((inputs, kwargs), lambda t: t.to(self.device, non_blocking=True))
         sync = self.is_gradient_accumulation_boundary() or not torch.is_grad_enabled()
@@ -131,6 +137,7 @@ class Engine:
             out = self.wrapped_module(*inputs, **kwargs)
         if watch is not None:
             watch.forward_ends(start)
+        self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
         return out
 
     def _count_samples(self) -> None:
@@ -147,6 +154,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` averaged over the accumulation window (and scaled for fp16)."""
         accumulation = self.config.gradient_accumulation_steps
+        self.heartbeat.enter(BACKWARD, collective=self.is_gradient_accumulation_boundary())
         self._window_losses.append(loss.detach() / accumulation if accumulation > 1 else loss.detach())
         start = self.stragglers.backward_begins() if self.stragglers is not None else None
         if self.balancer is None:
@@ -157,10 +165,12 @@ class Engine:
         if self.stragglers is not None:
             self.stragglers.backward_ends(start)
         self.snn.after_backward()
+        self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
 
     def step(self) -> None:
         """End a micro-step; on an accumulation boundary, update the weights."""
         boundary = self.is_gradient_accumulation_boundary()
+        self.heartbeat.enter(OPTIMIZER, collective=boundary)
         start = self.stragglers.optimizer_begins() if self.stragglers is not None else None
         skipped = self.backend.step(self.optimizer, self.lr_scheduler, boundary=boundary)
         if self.stragglers is not None:
@@ -174,6 +184,7 @@ class Engine:
             self._maybe_save()
             if self._preemption.agreed(self.device):
                 self._save_and_exit_for_requeue()
+        self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
 
     def _loss_weight(self) -> float:
         """This rank's share of the global micro-batch, relative to an equal share (``sail.balance``)."""
@@ -218,6 +229,23 @@ class Engine:
             log.info("balance %s: micro-batches per rank %s", "auto" if weights is None else "by weight",
                      balancer.split)  # fmt: skip
         return balancer
+
+    def _start_hang_watch(self) -> tuple[Heartbeat | NoHeartbeat, subprocess.Popen[bytes] | None]:
+        """Progress records and each node's hang watch (``sail.hang_timeout_seconds``)."""
+        sail = self.config.sail
+        if not (sail.hang_timeout_seconds and self.world_size > 1 and dist.is_initialized()):
+            return NoHeartbeat(), None
+        if sail.hang_timeout_seconds >= 60 * sail.timeout_minutes and self.rank_info.is_rank_zero:
+            log.warning("sail.hang_timeout_seconds (%g) is not below sail.timeout_minutes (%g min): a hung "
+                        "collective times out before the hang watch can report who holds it up",
+                        sail.hang_timeout_seconds, sail.timeout_minutes)  # fmt: skip
+        report_dir = sail.log_dir or (
+            str(Path(sail.metrics_path).parent) if sail.metrics_path else os.getcwd()
+        )
+        return heartbeat.start(
+            rank=self.rank, world_size=self.world_size, timeout=sail.hang_timeout_seconds,
+            report_dir=str(Path(report_dir).resolve()), board_host=os.environ.get("MASTER_ADDR"),
+        )  # fmt: skip
 
     def _rank_hosts(self) -> list[str]:
         hosts: list[Any] = [socket.gethostname()] * self.world_size
@@ -414,10 +442,12 @@ class Engine:
         """
         self.wait_for_checkpoint()
         background = self.config.checkpoint.async_save if async_save is None else async_save
+        self.heartbeat.enter(CHECKPOINT)
         handle = engine_state.save(
             self._training_state(), save_dir, tag, client_state, group=self._checkpoint_group(),
             background=background,
         )  # fmt: skip
+        self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
         self._last_save = time.monotonic()
         self._last_saved = (str(Path(save_dir)), self.micro_steps) if tag is None else None
         if background:
@@ -466,7 +496,9 @@ class Engine:
             )
             log.info("weights loaded from %s; training starts at step 0", path)
             return str(path), client_state
+        self.heartbeat.enter(CHECKPOINT)
         path, client_state = engine_state.load(training, load_dir, tag, group=self._checkpoint_group())
+        self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
         self.backend.sync_counters(
             self.micro_steps, self.global_steps, self.global_samples, self.skipped_steps
         )
@@ -483,6 +515,8 @@ class Engine:
             return self._agree_on_lock(JobLock(directory) if self.rank_info.is_rank_zero else None)
         except BaseException:
             self.monitor.close()
+            self.heartbeat.close()
+            heartbeat.stop(self._hang_watch)
             self._destroy_checkpoint_group()
             self.backend.teardown()  # a refused start leaves no process group up
             raise
@@ -563,7 +597,10 @@ class Engine:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over all ranks (a copy; the input is left as it was)."""
-        return self.backend.all_reduce_sum(tensor)
+        self.heartbeat.enter(COLLECTIVE, collective=True)
+        total = self.backend.all_reduce_sum(tensor)
+        self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
+        return total
 
     def close(self) -> None:
         """Finish a background save, close the progress bar and metrics file, and leave the process group.
@@ -585,6 +622,8 @@ class Engine:
                 self.balancer.close()
             if self.stragglers is not None:
                 self.stragglers.close()
+            self.heartbeat.close()
+            heartbeat.stop(self._hang_watch)
             if self._job_lock is not None:
                 self._job_lock.release()
             self._destroy_checkpoint_group()

@@ -35,6 +35,9 @@ FREE = (
     "sail.rebalance_factor",
     "sail.straggler_window",
     "sail.straggler_factor",
+    "sail.hang_timeout_seconds",
+    "sail.trackers",
+    "sail.log_dir",
     "zero_optimization",  # how state is sharded, not what it is
     "fp16.auto_cast",
     "source",

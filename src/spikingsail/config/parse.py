@@ -266,6 +266,11 @@ def _coerce(value: Any, hint: Any, where: str, key: str) -> Any:
         (hint,) = (a for a in get_args(hint) if a is not type(None))
     if get_origin(hint) is Literal:
         return _choice(value, get_args(hint), where, key, optional)
+    if get_origin(hint) is tuple:  # tuple[X, ...]: a JSON list of X
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: '{key}' must be a list", f"found {value!r}")
+        item = get_args(hint)[0]
+        return tuple(_coerce(v, item, where, f"{key}[{i}]") for i, v in enumerate(value))
     converted = _scalar(value, hint)
     if converted is _WRONG_TYPE:
         expected = getattr(hint, "__name__", str(hint)).replace("dict", "object")

@@ -178,8 +178,11 @@ class SailSection:
     """A rank whose work per step is this many times the other ranks' (median) for three windows in a row is warned of."""
     hang_timeout_seconds: float = ranged(300.0, Range(0, FLOAT32_MAX, fix="e.g. 300, or 0 for off"))
     """When no rank makes progress for this long, report who holds the job up (stacks included) and end it (0 = off)."""
+    trackers: tuple[Literal["jsonl", "tensorboard", "mlflow"], ...] = ()
+    """Where rank 0's metrics go, in log_dir: jsonl (the metrics file), tensorboard, mlflow."""
     log_dir: str | None = None
-    """Where the run's reports go (a hang report); default: beside metrics_path, else the working directory."""
+    """The run's directory: trackers, hang reports (default runs/DATE-TIME with trackers; else hang
+    reports go beside metrics_path, or to the working directory)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -8,6 +8,7 @@ parallelism to a ``Backend``.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import random
@@ -43,6 +44,7 @@ from spikingsail.monitor import heartbeat
 from spikingsail.monitor.hangwatch import BACKWARD, CHECKPOINT, COLLECTIVE, FORWARD, OPTIMIZER
 from spikingsail.monitor.heartbeat import Heartbeat, NoHeartbeat
 from spikingsail.monitor.steps import StepMonitor, StepRecord
+from spikingsail.monitor.trackers import check_installed, flatten, make_trackers
 from spikingsail.snn.encoding import encode
 from spikingsail.snn.support import SpikingSupport
 from spikingsail.snn.syncbn import convert_sync_batchnorm
@@ -106,13 +108,7 @@ class Engine:
         )
         # Inputs already on the CPU need no move; skipping the walk keeps tiny steps cheap.
         self._move_inputs = config.sail.move_inputs_to_device and self.device.type != "cpu"
-        self.monitor = StepMonitor(
-            enabled=rank_info.is_rank_zero,
-            samples_per_step=config.train_batch_size,
-            steps_per_print=config.steps_per_print,
-            progress_bar=config.sail.progress_bar,
-            metrics_path=config.sail.metrics_path,
-        )
+        self.monitor = self._make_monitor()
         self._job_lock = self._lock_checkpoint_directory(config.checkpoint.path)
         self._closed = False
         atexit.register(self.close)
@@ -230,6 +226,45 @@ class Engine:
                      balancer.split)  # fmt: skip
         return balancer
 
+    def _make_monitor(self) -> StepMonitor:
+        """Rank 0's progress bar, metrics file and trackers (``sail.trackers`` in ``log_dir``)."""
+        sail, zero = self.config.sail, self.rank_info.is_rank_zero
+        metrics_path = sail.metrics_path
+        if metrics_path is None and "jsonl" in sail.trackers:
+            metrics_path = str(self.log_dir / "metrics.jsonl")
+        check_installed(sail.trackers)
+        made = make_trackers(sail.trackers, self.log_dir) if zero and sail.trackers else []
+        monitor = StepMonitor(
+            enabled=zero,
+            samples_per_step=self.config.train_batch_size,
+            steps_per_print=self.config.steps_per_print,
+            progress_bar=sail.progress_bar,
+            metrics_path=metrics_path,
+            trackers=made,
+        )
+        monitor.log_hyperparams(flatten(self.config.raw))
+        return monitor
+
+    @functools.cached_property
+    def log_dir(self) -> Path:
+        """The run's directory (``sail.log_dir``): with trackers and none set, ``runs/DATE-TIME``;
+        else beside the metrics file, or the working directory (where a hang report goes)."""
+        sail = self.config.sail
+        if sail.log_dir is not None:
+            return Path(sail.log_dir)
+        if sail.trackers:
+            return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        return Path(sail.metrics_path).parent if sail.metrics_path else Path.cwd()
+
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        """The script's own scalars (``{"val/accuracy": 0.93}``; numbers or one-element tensors) at
+        ``step`` (default: the optimizer steps so far), to the trackers and the metrics file. Rank 0
+        writes; on the other ranks it does nothing (log what rank 0 knows, or all-reduce first)."""
+        if not self.rank_info.is_rank_zero:
+            return
+        values = {str(k): float(v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+        self.monitor.log(values, self.global_steps if step is None else step)
+
     def _start_hang_watch(self) -> tuple[Heartbeat | NoHeartbeat, subprocess.Popen[bytes] | None]:
         """Progress records and each node's hang watch (``sail.hang_timeout_seconds``)."""
         sail = self.config.sail
@@ -239,12 +274,9 @@ class Engine:
             log.warning("sail.hang_timeout_seconds (%g) is not below sail.timeout_minutes (%g min): a hung "
                         "collective times out before the hang watch can report who holds it up",
                         sail.hang_timeout_seconds, sail.timeout_minutes)  # fmt: skip
-        report_dir = sail.log_dir or (
-            str(Path(sail.metrics_path).parent) if sail.metrics_path else os.getcwd()
-        )
         return heartbeat.start(
             rank=self.rank, world_size=self.world_size, timeout=sail.hang_timeout_seconds,
-            report_dir=str(Path(report_dir).resolve()), board_host=os.environ.get("MASTER_ADDR"),
+            report_dir=str(self.log_dir.resolve()), board_host=os.environ.get("MASTER_ADDR"),
         )  # fmt: skip
 
     def _rank_hosts(self) -> list[str]:

@@ -71,7 +71,8 @@ def read_run(path: Path) -> Run:
                 f"{path}:{number}: a JSON line without a 'step'",
                 "this is not a SpikingSail metrics file (sail.metrics_path)",
             )
-        run.steps.append(record)
+        if "log" not in record:  # engine.log's lines hold the script's own metrics
+            run.steps.append(record)
     if not run.steps:
         raise ReportError(
             f"{path}: no steps", "the metrics file is empty", "train at least one optimizer step"

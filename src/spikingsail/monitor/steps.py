@@ -17,6 +17,8 @@ from typing import IO, Any
 
 import torch
 
+from spikingsail.monitor.trackers import Tracker
+
 log = logging.getLogger(__name__)
 
 
@@ -43,6 +45,7 @@ class StepMonitor:
         steps_per_print: int,
         progress_bar: bool,
         metrics_path: str | None,
+        trackers: list[Tracker] | None = None,
     ) -> None:
         self.enabled = enabled
         self.samples_per_step = samples_per_step
@@ -61,7 +64,8 @@ class StepMonitor:
             path = Path(metrics_path)
             path.parent.mkdir(parents=True, exist_ok=True)
             self._metrics = path.open("a", buffering=1)
-        self._every_step = self._bar is not None or self._metrics is not None
+        self.trackers = trackers or []
+        self._every_step = self._bar is not None or self._metrics is not None or bool(self.trackers)
 
     def wants(self, step: int) -> bool:
         return self.enabled and (self._every_step or step % self.steps_per_print == 0)
@@ -69,9 +73,16 @@ class StepMonitor:
     def on_step(self, record: StepRecord) -> None:
         now = time.perf_counter()
         printing = record.step % self.steps_per_print == 0
-        loss = float(record.loss.item()) if record.loss is not None and (printing or self._metrics) else None
-        if self._metrics is not None:
-            self._write_metrics(record, loss, self.samples_per_step / max(now - self._last_time, 1e-9))
+        recording = self._metrics is not None or bool(self.trackers)
+        loss = float(record.loss.item()) if record.loss is not None and (printing or recording) else None
+        if recording:
+            samples_per_sec = self.samples_per_step / max(now - self._last_time, 1e-9)
+            if self._metrics is not None:
+                self._write_metrics(record, loss, samples_per_sec)
+            if self.trackers:
+                scalars = _scalars(record, loss, samples_per_sec)
+                for tracker in self.trackers:
+                    tracker.log(scalars, record.step)
         self._last_time = now
         if record.stragglers is not None:
             scores = record.stragglers["scores"]
@@ -120,10 +131,47 @@ class StepMonitor:
             line["stragglers"] = record.stragglers
         self._metrics.write(json.dumps(line) + "\n")
 
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        for tracker in self.trackers:
+            tracker.log_hyperparams(params)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """The script's own metrics (``engine.log``): to every tracker, and as a line of the
+        metrics file of their own (``{"step": N, "log": {...}}``)."""
+        if not self.enabled:
+            return
+        if self._metrics is not None:
+            self._metrics.write(json.dumps({"step": step, "log": metrics, "time": time.time()}) + "\n")
+        for tracker in self.trackers:
+            tracker.log(metrics, step)
+
     def close(self) -> None:
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            try:
+                tracker.close()
+            except Exception as err:  # one tracker failing to flush must not lose the others
+                log.error("closing the %s tracker failed: %s", type(tracker).__name__, err)
         if self._bar is not None:
             self._bar.close()
             self._bar = None
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+
+
+def _scalars(record: StepRecord, loss: float | None, samples_per_sec: float) -> dict[str, float]:
+    scalars = {
+        "train/lr": record.lr,
+        "train/loss_scale": record.loss_scale,
+        "train/samples_per_sec": samples_per_sec,
+    }
+    if loss is not None:
+        scalars["train/loss"] = loss
+    if record.stragglers is not None:
+        for rank, score in enumerate(record.stragglers["scores"]):
+            scalars[f"stragglers/score/rank{rank}"] = score
+        for phase, per_rank in record.stragglers["ms_per_step"].items():
+            for rank, ms in enumerate(per_rank):
+                scalars[f"step_ms/{phase}/rank{rank}"] = ms
+    return scalars

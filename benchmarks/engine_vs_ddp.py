@@ -9,7 +9,10 @@
 Both loops train the same model on the same pre-made batches in the same process group; their
 steps alternate one by one, so machine noise and allocator state hit both alike (alternating in
 blocks of steps biased the tiny model's ratio by up to ±10%). Prints the median step time of each
-after warm-up and their ratio (engine / by hand) for a tiny and a mid-size model. The FSDP2 loop
+after warm-up and their ratio (engine / by hand) for a tiny and a mid-size model, and the cost of the
+engine's own monitoring: the engine as configured by default (hang-watch heartbeat and straggler
+breakdown on) over the same engine with both off (``hang_timeout_seconds: 0``, ``straggler_window: 0``),
+a third loop in the same alternation. The FSDP2 loop
 shards each child with parameters and then the root, as the engine's backend does; the DeepSpeed
 loop is DeepSpeed's own ``engine(x); engine.backward(loss); engine.step()`` with the same ZeRO stage;
 the Horovod loop is Horovod's documented one (``hvd.DistributedOptimizer``, ``broadcast_parameters``),
@@ -127,20 +130,14 @@ def by_hand(model: nn.Module, backend: str, stage: int) -> Step:
     return hand_step
 
 
-def compare(
-    name: str, make: Callable[[], nn.Module], steps: int, backend: str, stage: int
-) -> tuple[float, float]:
-    torch.manual_seed(0)
-    base = make()
-    hand_step = by_hand(copy.deepcopy(base), backend, stage)
-
+def engine_loop(base: nn.Module, backend: str, stage: int, **sail: object) -> tuple[Step, Callable[[], None]]:
     model = copy.deepcopy(base)
     engine, _ = spikingsail.initialize(
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
         config={
             "train_micro_batch_size_per_gpu": MICRO_BATCH,
-            "sail": {"progress_bar": False, "backend": backend},
+            "sail": {"progress_bar": False, "backend": backend, **sail},
             "zero_optimization": {"stage": stage},
         },
     )
@@ -150,10 +147,23 @@ def compare(
         engine.backward(loss)
         engine.step()
 
-    interleaved((hand_step, engine_step), batches(base, WARMUP))
-    hand_times, engine_times = interleaved((hand_step, engine_step), batches(base, steps))
-    engine.close()
-    return statistics.median(hand_times), statistics.median(engine_times)
+    return engine_step, engine.close
+
+
+def compare(
+    name: str, make: Callable[[], nn.Module], steps: int, backend: str, stage: int
+) -> tuple[float, float, float]:
+    torch.manual_seed(0)
+    base = make()
+    hand_step = by_hand(copy.deepcopy(base), backend, stage)
+    engine_step, close = engine_loop(base, backend, stage)
+    bare_step, close_bare = engine_loop(base, backend, stage, hang_timeout_seconds=0, straggler_window=0)
+    loops = (hand_step, engine_step, bare_step)
+    interleaved(loops, batches(base, WARMUP))
+    hand_times, engine_times, bare_times = interleaved(loops, batches(base, steps))
+    close()
+    close_bare()
+    return statistics.median(hand_times), statistics.median(engine_times), statistics.median(bare_times)
 
 
 def main() -> None:
@@ -179,11 +189,16 @@ def main() -> None:
     ]
     if dist.get_rank() == 0:
         hand = f"{args.backend} ms/step"
-        print(f"\n{'model':<22}{hand:>14}{'engine ms/step':>16}{'ratio':>8}")
-        for name, hand_time, engine_time in rows:
+        print(f"\n{'model':<22}{hand:>14}{'engine ms/step':>16}{'ratio':>8}{'monitoring':>12}")
+        for name, hand_time, engine_time, bare_time in rows:
             print(
                 f"{name:<22}{hand_time * 1e3:>14.3f}{engine_time * 1e3:>16.3f}{engine_time / hand_time:>8.3f}"
+                f"{engine_time / bare_time:>12.3f}"
             )
+        print(
+            "monitoring: the engine with its hang-watch heartbeat and straggler breakdown on (the default) "
+            "over the same engine with both off"
+        )
         print(
             f"(median of {args.steps} steps each, micro batch {MICRO_BATCH}, "
             f"{dist.get_world_size()} gloo ranks, torch {torch.__version__}"

@@ -140,6 +140,8 @@ def test_without_py_spy_faulthandler_gives_a_deadlocked_stack(tmp_path: Path) ->
         (main,) = [t for t in threads if t["thread"].startswith("Current thread")]
         assert main["frames"][0].startswith(f"wait_forever ({script}:"), threads
         os.kill(process.pid, signal.SIGSTOP)
+        while _state(process.pid) != "T":  # the signal is delivered asynchronously
+            time.sleep(0.01)
         threads, why = stacks(process.pid, spec, "0")
         assert threads == [] and why is not None and "install py-spy" in why
     finally:

@@ -21,6 +21,7 @@ from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
 import spikingsail
 from spikingsail.errors import ConfigError
+from spikingsail.monitor.report import metrics_file, read_run
 from tests.multiprocess import run_ranks
 
 STEPS = 12
@@ -74,6 +75,8 @@ def test_every_tracker_holds_the_metrics_files_numbers(
     assert logs == [{"step": STEPS, "log": {"val/accuracy": 0.75}, "time": logs[0]["time"]}]
     windows = [s for s in steps if "stragglers" in s]
     assert [w["step"] for w in windows] == [4, 8, 12]
+    run = read_run(metrics_file(log_dir))  # sail report reads the run's directory, engine.log's line aside
+    assert [s["step"] for s in run.steps] == list(range(1, STEPS + 1))
 
     events = tensorboard_scalars(log_dir)
     loss = events.Scalars("train/loss")

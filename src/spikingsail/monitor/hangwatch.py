@@ -27,13 +27,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import struct
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing.managers import BaseManager, DictProxy
 from pathlib import Path
@@ -224,18 +224,20 @@ def _faulthandler_stacks(pid: int, path: Path) -> tuple[list[dict[str, Any]], st
 
 
 def look(spec: Spec, board_records: dict[str, Any]) -> dict[str, Any]:
-    """This node's ranks as they are now: record, process state and stacks."""
-    ranks = []
-    for rank, path in spec.records.items():
-        record = read_record(Path(path))
+    """This node's ranks as they are now: record, process state and stacks (read side by side)."""
+
+    def one(rank: str) -> dict[str, Any]:
+        record = read_record(Path(spec.records[rank]))
         pid = record.pid if record else board_records.get(rank, {}).get("pid", 0)
         state = process_state(pid) if pid else "gone"
         threads, why = stacks(pid, spec, rank) if pid and state != "gone" else ([], "no process")
-        ranks.append({
+        return {
             "rank": int(rank), "host": spec.host, "pid": pid, "state": state,
             "progress": asdict(record) if record else None, "threads": threads, "no_stack": why,
-        })  # fmt: skip
-    return {"ranks": ranks}
+        }  # fmt: skip
+
+    with ThreadPoolExecutor(max_workers=min(8, len(spec.records))) as pool:
+        return {"ranks": list(pool.map(one, spec.records))}
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -347,6 +349,7 @@ class Watch:
         self.tick = min(1.0, max(0.1, spec.timeout / 10))
         self.stopping = threading.Event()
         self.changed: dict[str, tuple[tuple[int, int], float]] = {}
+        self.pids: dict[str, int] = {}  # this node's ranks, from their records
         self.board: Any
         if spec.board is None:
             self.board, port = serve_board(spec.authkey.encode())
@@ -365,6 +368,7 @@ class Watch:
             record = read_record(Path(path))
             if record is not None:
                 out[rank] = asdict(record)
+                self.pids[rank] = record.pid
         return out
 
     def run(self) -> None:
@@ -380,7 +384,15 @@ class Watch:
         except (OSError, EOFError):
             pass  # the board is gone: rank 0's node is done
         finally:
-            shutil.rmtree(self.spec.directory, ignore_errors=True)
+            self._remove_files()
+
+    def _remove_files(self) -> None:
+        """This node's records (nodes may share the directory: containers, the test cluster)."""
+        for path in [*self.spec.records.values(), *self.spec.stack_files.values()]:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.spec.directory)  # once the last node's watch has removed its own
 
     def _judge(self) -> None:
         now = time.monotonic()
@@ -425,7 +437,7 @@ class Watch:
     def _report(self) -> dict[str, Any]:
         deadline = time.monotonic() + REPORT_WAIT_SECONDS
         while time.monotonic() < deadline:
-            answered = [k for k in self.board if k.startswith("report/")]
+            answered = [k for k in list(self.board.keys()) if k.startswith("report/")]
             if len(answered) >= self.spec.nodes:
                 break
             time.sleep(0.2)
@@ -436,7 +448,8 @@ class Watch:
                 entries.extend(value["ranks"])
                 answered_nodes.add(key.removeprefix("report/"))
         silent = sorted(
-            {k.removeprefix("node/") for k in self.board if k.startswith("node/")} - answered_nodes
+            {k.removeprefix("node/") for k in list(self.board.keys()) if k.startswith("node/")}
+            - answered_nodes
         )
         entries.sort(key=lambda e: e["rank"])
         culprits, line = verdict(entries)
@@ -473,11 +486,10 @@ class Watch:
     def _tell_torchrun(self, end: dict[str, Any]) -> None:
         """The culprits' torchrun error files (where torchrun's agent runs them) get the verdict,
         dated when the job last made progress: torchrun names the earliest failure its root cause."""
-        for rank, path in self.spec.records.items():
-            record = read_record(Path(path))
-            if int(rank) not in end["culprits"] or record is None:
+        for rank, pid in self.pids.items():
+            if int(rank) not in end["culprits"]:
                 continue
-            error_file = _environ(record.pid).get("TORCHELASTIC_ERROR_FILE")
+            error_file = _environ(pid).get("TORCHELASTIC_ERROR_FILE")
             if error_file and not os.path.exists(error_file):
                 with contextlib.suppress(OSError):
                     Path(error_file).write_text(
@@ -485,11 +497,9 @@ class Watch:
                     )
 
     def _kill_ranks(self) -> None:
-        for path in self.spec.records.values():
-            record = read_record(Path(path))
-            if record is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(record.pid, signal.SIGKILL)
+        for pid in self.pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def main(argv: list[str]) -> int:

@@ -163,7 +163,11 @@ def start(
 
 
 def _spawn(spec: Spec, *, serves: bool) -> tuple[subprocess.Popen[bytes], int]:
-    process = subprocess.Popen(spec.argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE if serves else None)
+    # A session of its own: a signal to the rank's process group (a terminal's Ctrl-C, a kill of the
+    # group) must not end the watch before it has cleaned up; it ends when its rank does (stdin).
+    process = subprocess.Popen(
+        spec.argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE if serves else None, start_new_session=True
+    )
     if not serves:
         return process, 0
     assert process.stdout is not None

@@ -12,7 +12,9 @@ blocks of steps biased the tiny model's ratio by up to ±10%). Prints the median
 after warm-up and their ratio (engine / by hand) for a tiny and a mid-size model, and the cost of the
 engine's own monitoring: the engine as configured by default (hang-watch heartbeat and straggler
 breakdown on) over the same engine with both off (``hang_timeout_seconds: 0``, ``straggler_window: 0``),
-a third loop in the same alternation. The FSDP2 loop
+and over the engine with the heartbeat alone off — more loops in the same alternation. The tiny
+model's ratios move by several percent between runs, more than the heartbeat costs; so its cost is
+also timed directly: the three enter/leave pairs of a training micro-step, a million times. The FSDP2 loop
 shards each child with parameters and then the root, as the engine's backend does; the DeepSpeed
 loop is DeepSpeed's own ``engine(x); engine.backward(loss); engine.step()`` with the same ZeRO stage;
 the Horovod loop is Horovod's documented one (``hvd.DistributedOptimizer``, ``broadcast_parameters``),
@@ -26,8 +28,10 @@ import copy
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,6 +41,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import spikingsail
+from spikingsail.monitor.hangwatch import BACKWARD, FORWARD, OPTIMIZER
+from spikingsail.monitor.heartbeat import Heartbeat
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "tiny (9.6k params)": lambda: nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)),
@@ -152,18 +158,39 @@ def engine_loop(base: nn.Module, backend: str, stage: int, **sail: object) -> tu
 
 def compare(
     name: str, make: Callable[[], nn.Module], steps: int, backend: str, stage: int
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, float]:
     torch.manual_seed(0)
     base = make()
     hand_step = by_hand(copy.deepcopy(base), backend, stage)
     engine_step, close = engine_loop(base, backend, stage)
     bare_step, close_bare = engine_loop(base, backend, stage, hang_timeout_seconds=0, straggler_window=0)
-    loops = (hand_step, engine_step, bare_step)
+    quiet_step, close_quiet = engine_loop(base, backend, stage, hang_timeout_seconds=0)
+    loops = (hand_step, engine_step, bare_step, quiet_step)
     interleaved(loops, batches(base, WARMUP))
-    hand_times, engine_times, bare_times = interleaved(loops, batches(base, steps))
+    times = interleaved(loops, batches(base, steps))
     close()
     close_bare()
-    return statistics.median(hand_times), statistics.median(engine_times), statistics.median(bare_times)
+    close_quiet()
+    hand, engine, bare, quiet = (statistics.median(t) for t in times)
+    return hand, engine, bare, quiet
+
+
+def heartbeat_cost() -> float:
+    """Seconds per micro-step of the heartbeat alone: forward, backward and step each enter and leave."""
+    with tempfile.TemporaryDirectory() as directory:
+        beat = Heartbeat(Path(directory) / "rank-0", None)
+        rounds = 1_000_000
+        start = time.perf_counter()
+        for _ in range(rounds):
+            beat.enter(FORWARD)
+            beat.leave(0, 0)
+            beat.enter(BACKWARD, collective=True)
+            beat.leave(0, 0)
+            beat.enter(OPTIMIZER, collective=True)
+            beat.leave(0, 0)
+        elapsed = time.perf_counter() - start
+        beat.close()
+    return elapsed / rounds
 
 
 def main() -> None:
@@ -189,16 +216,22 @@ def main() -> None:
     ]
     if dist.get_rank() == 0:
         hand = f"{args.backend} ms/step"
-        print(f"\n{'model':<22}{hand:>14}{'engine ms/step':>16}{'ratio':>8}{'monitoring':>12}")
-        for name, hand_time, engine_time, bare_time in rows:
+        print(
+            f"\n{'model':<22}{hand:>14}{'engine ms/step':>16}{'ratio':>8}{'monitoring':>12}{'heartbeat':>11}"
+        )
+        for name, hand_time, engine_time, bare_time, quiet_time in rows:
             print(
                 f"{name:<22}{hand_time * 1e3:>14.3f}{engine_time * 1e3:>16.3f}{engine_time / hand_time:>8.3f}"
-                f"{engine_time / bare_time:>12.3f}"
+                f"{engine_time / bare_time:>12.3f}{engine_time / quiet_time:>11.3f}"
             )
         print(
-            "monitoring: the engine with its hang-watch heartbeat and straggler breakdown on (the default) "
-            "over the same engine with both off"
+            "monitoring: the engine as by default (hang-watch heartbeat and straggler breakdown on) over the "
+            "same engine with both off; heartbeat: over the engine with the heartbeat alone off"
         )
+        beat = heartbeat_cost()
+        tiny_step = rows[0][2]
+        print(f"heartbeat alone: {beat * 1e6:.2f} µs per micro-step = {100 * beat / tiny_step:.2f}% of the tiny "
+              "model's engine step")  # fmt: skip
         print(
             f"(median of {args.steps} steps each, micro batch {MICRO_BATCH}, "
             f"{dist.get_world_size()} gloo ranks, torch {torch.__version__}"

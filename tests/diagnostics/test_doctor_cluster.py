@@ -172,12 +172,8 @@ def test_a_node_that_wants_a_password(cluster: NamespaceCluster, node2: Restart,
     assert "ssh-copy-id node2" in ssh["fix"]
 
 
-@pytest.mark.parametrize("loose", ["dir", "file"])
 def test_loose_ssh_permissions_under_strict_modes(
-    cluster: NamespaceCluster,
-    node2: Restart,
-    tmp_path: Path,
-    loose: str,
+    cluster: NamespaceCluster, node2: Restart, tmp_path: Path
 ) -> None:
     # sshd checks the modes of authorized_keys and its directories up to the user's home, so the
     # key lives in a .ssh directory under root's home (/tmp above it would fail StrictModes itself).
@@ -192,12 +188,17 @@ def test_loose_ssh_permissions_under_strict_modes(
         code, report, _ = doctor(cluster, tmp_path, "--timeout", "60")
         assert findings(report, "ssh", "node2")[0]["status"] == "ok", "700/600 must pass under StrictModes"
 
-        (ssh_dir if loose == "dir" else keys).chmod(0o777 if loose == "dir" else 0o666)
-        code, report, _ = doctor(cluster, tmp_path)
-        assert code == 1
-        (ssh,) = findings(report, "ssh", "node2")
-        assert ssh["status"] == "fail" and "StrictModes" in ssh["detail"], ssh
-        assert "chmod 700 ~/.ssh && chmod 600 ~/.ssh/authorized_keys" in ssh["fix"]
+        for loose, mode, tidy in (
+            (ssh_dir, 0o777, 0o700),
+            (keys, 0o666, 0o600),
+        ):  # the directory, then the file
+            loose.chmod(mode)
+            code, report, _ = doctor(cluster, tmp_path)
+            assert code == 1, loose
+            (ssh,) = findings(report, "ssh", "node2")
+            assert ssh["status"] == "fail" and "StrictModes" in ssh["detail"], (loose, ssh)
+            assert "chmod 700 ~/.ssh && chmod 600 ~/.ssh/authorized_keys" in ssh["fix"]
+            loose.chmod(tidy)
     finally:
         shutil.rmtree(home)
 

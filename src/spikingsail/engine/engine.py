@@ -108,7 +108,13 @@ class Engine:
         )
         # Inputs already on the CPU need no move; skipping the walk keeps tiny steps cheap.
         self._move_inputs = config.sail.move_inputs_to_device and self.device.type != "cpu"
-        self.monitor = self._make_monitor()
+        try:
+            self.monitor = self._make_monitor()
+        except BaseException:  # a tracker that cannot start: nothing of the engine stays up
+            self.heartbeat.close()
+            heartbeat.stop(self._hang_watch)
+            backend.teardown()
+            raise
         self._job_lock = self._lock_checkpoint_directory(config.checkpoint.path)
         self._closed = False
         atexit.register(self.close)

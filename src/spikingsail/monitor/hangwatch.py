@@ -61,7 +61,8 @@ STATES = {
     "Z": "exited",
     "X": "exited",
 }
-HELD = ("stopped", "in D state", "exited", "gone")
+NO_ANSWER = "unknown: its node's watch did not answer"
+HELD = ("stopped", "in D state", "exited", "gone", NO_ANSWER)
 """States in which a rank cannot be waiting for the others: it holds them up."""
 REPORT_WAIT_SECONDS = 30.0
 
@@ -447,10 +448,13 @@ class Watch:
             if key.startswith("report/"):
                 entries.extend(value["ranks"])
                 answered_nodes.add(key.removeprefix("report/"))
-        silent = sorted(
-            {k.removeprefix("node/") for k in list(self.board.keys()) if k.startswith("node/")}
-            - answered_nodes
-        )
+        posted = {k.removeprefix("node/"): v for k, v in list(self.board.items()) if k.startswith("node/")}
+        silent = sorted(set(posted) - answered_nodes)
+        for node in silent:  # its ranks as last posted: the node may be down, or cut off
+            host = node.rsplit("/", 1)[0]
+            for rank, record in posted[node].items():
+                entries.append({"rank": int(rank), "host": host, "pid": record["pid"], "state": NO_ANSWER,
+                                "progress": record, "threads": [], "no_stack": "its node's watch did not answer"})  # fmt: skip
         entries.sort(key=lambda e: e["rank"])
         culprits, line = verdict(entries)
         report = {

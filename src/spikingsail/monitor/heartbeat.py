@@ -28,6 +28,7 @@ from typing import IO, Any
 
 import torch.distributed as dist
 
+from spikingsail.errors import SailError
 from spikingsail.monitor.hangwatch import (
     CLOSED,
     INSIDE,
@@ -46,7 +47,6 @@ class Heartbeat:
     """This rank's record: ``enter(phase)`` and ``leave(step, micro_step)`` around each engine call."""
 
     def __init__(self, path: Path, stack_path: Path | None) -> None:
-        self.path = path
         self._file = path.open("w+b")
         self._file.write(bytes(RECORD.size))
         self._file.flush()
@@ -55,7 +55,7 @@ class Heartbeat:
         self._beats = 0
         self._step = self._micro = 0
         self._phase = READY
-        self.collectives = 0
+        self._collectives = 0
         self._stacks: IO[str] | None = None
         if stack_path is not None:  # no py-spy on this node: faulthandler answers the watch
             self._stacks = stack_path.open("w")
@@ -65,13 +65,13 @@ class Heartbeat:
     def _write(self, inside: int) -> None:
         self._beats += 1
         RECORD.pack_into(self._map, 0, self._pid, self._beats, self._step, self._micro, self._phase,
-                         inside, self.collectives, time.time())  # fmt: skip
+                         inside, self._collectives, time.time())  # fmt: skip
 
     def enter(self, phase: int, *, collective: bool = False) -> None:
         """Entering an engine call; ``collective``: one that waits for the other ranks."""
         self._phase = phase
         if collective:
-            self.collectives += 1
+            self._collectives += 1
         self._write(WAITING if collective else INSIDE)
 
     def leave(self, step: int, micro_step: int) -> None:
@@ -93,8 +93,6 @@ class Heartbeat:
 class NoHeartbeat:
     """``hang_timeout_seconds: 0``, or a single process: nothing is published."""
 
-    collectives = 0
-
     def enter(self, phase: int, *, collective: bool = False) -> None:
         pass
 
@@ -109,10 +107,6 @@ def py_spy() -> str | None:
     """py-spy next to this Python (a virtual environment's bin) or on PATH."""
     beside = Path(sys.executable).with_name("py-spy")
     return str(beside) if beside.is_file() else shutil.which("py-spy")
-
-
-class HangWatchError(RuntimeError):
-    pass
 
 
 def start(
@@ -174,9 +168,10 @@ def _spawn(spec: Spec, *, serves: bool) -> tuple[subprocess.Popen[bytes], int]:
     line = process.stdout.readline().decode().strip()
     if not line.isdigit():
         process.kill()
-        raise HangWatchError(
-            "sail.hang_timeout_seconds: the hang watch did not start"
-            + (f" (it said {line!r})" if line else "; its error is above")
+        raise SailError(
+            "sail.hang_timeout_seconds: the hang watch did not start",
+            f"it said {line!r}" if line else "it ended without a word; its error is above",
+            "set sail.hang_timeout_seconds to 0 to train without it",
         )
     return process, int(line)
 

@@ -3,14 +3,19 @@
 # per machine. MPI is what Horovod's Adasum needs; it builds against Debian's libopenmpi-dev.
 #
 # Horovod's last release does not build as shipped against current tooling: cmake >= 4 rejects its
-# cmake_minimum_required(<3.5), and torch >= 2.1 needs C++17 while Horovod asks for C++14. This
+# cmake_minimum_required(<3.5), and torch 2.14's headers need C++20 while Horovod asks for C++14. This
 # script fetches the sdist, makes exactly those two changes, builds a wheel and keeps it in the
 # cache keyed by Horovod, torch and Python versions, so later runs only install it.
+#
+# A CUDA build of torch (what GPU clusters install, and what requirements/dev.txt pins) makes Horovod's
+# torch extension link the CUDA runtime even for a CPU-only Horovod: the CUDA toolkit is looked for in
+# CUDA_HOME, else /usr/local/cuda.
 #
 # GPU operations: with a CUDA build of torch and nvcc on PATH (a GPU node's set-up), Horovod is built
 # with NCCL (HOROVOD_GPU_OPERATIONS=NCCL), so that the horovod backend all-reduces on the GPUs; else
 # CPU-only (gloo and MPI). SAIL_HOROVOD_GPU=nccl or =none decides instead; HOROVOD_NCCL_HOME, when
-# set, tells Horovod where NCCL is. The choice is part of the cache key.
+# set, tells Horovod where NCCL is; else the NCCL that torch's wheel carries (nvidia/nccl) is used.
+# The choice is part of the cache key.
 #
 #   scripts/build-horovod.sh PYTHON      prints the path of the (cached) wheel on stdout
 #   scripts/build-horovod.sh --key PYTHON   prints only the cache key (torch, Python, GPU operations)
@@ -50,13 +55,37 @@ trap 'rm -rf "$work"' EXIT
 "$python" -m pip download --quiet --no-deps --no-binary :all: "horovod==$version" -d "$work" >&2
 tar -xzf "$work/horovod-$version.tar.gz" -C "$work"
 src="$work/horovod-$version"
-sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
-grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" || {
+sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 20/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+grep -q 'CMAKE_CXX_STANDARD 20' "$src/horovod/torch/CMakeLists.txt" || {
   echo "[horovod] the C++ standard patch did not apply; the sdist layout changed" >&2
   exit 1
 }
+cuda_env=()
+if [ -n "$torch_cuda" ]; then
+  toolkit=${CUDA_HOME:-/usr/local/cuda}
+  if ! ls "$toolkit"/lib*/libcudart.so >/dev/null 2>&1; then
+    echo "[horovod] torch is a CUDA $torch_cuda build, so Horovod's torch extension links the CUDA runtime," >&2
+    echo "[horovod] but $toolkit has no lib/libcudart.so: install the CUDA toolkit and set CUDA_HOME to it" >&2
+    exit 1
+  fi
+  cuda_env=(CUDA_HOME="$toolkit" CUDAToolkit_ROOT="$toolkit")
+fi
+if [ "$gpu" = nccl ] && [ -z "${HOROVOD_NCCL_HOME:-}" ]; then
+  # torch's wheel carries NCCL as nvidia/nccl/{include/nccl.h,lib/libnccl.so.2}; Horovod's CMake wants
+  # an unversioned libnccl.so next to it.
+  wheel_nccl=$("$python" -c 'import os, nvidia.nccl as n; print(os.path.dirname(n.__file__) if n.__file__ else list(n.__path__)[0])' 2>/dev/null || true)
+  if [ -z "$wheel_nccl" ] || [ ! -f "$wheel_nccl/include/nccl.h" ]; then
+    echo "[horovod] SAIL_HOROVOD_GPU=nccl: no NCCL found; set HOROVOD_NCCL_HOME to an NCCL install (include/, lib/)" >&2
+    exit 1
+  fi
+  mkdir -p "$work/nccl/lib"
+  ln -s "$wheel_nccl/include" "$work/nccl/include"
+  ln -s "$wheel_nccl/lib/libnccl.so.2" "$work/nccl/lib/libnccl.so.2"
+  ln -s "$wheel_nccl/lib/libnccl.so.2" "$work/nccl/lib/libnccl.so"
+  gpu_env+=(HOROVOD_NCCL_HOME="$work/nccl" HOROVOD_NCCL_LINK=SHARED)
+fi
 mkdir -p "$work/wheel"
-env ${gpu_env[@]+"${gpu_env[@]}"} CMAKE_POLICY_VERSION_MINIMUM=3.5 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
+env ${cuda_env[@]+"${cuda_env[@]}"} ${gpu_env[@]+"${gpu_env[@]}"} CMAKE_POLICY_VERSION_MINIMUM=3.5 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
   HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS=-j"$(nproc)" \
   "$python" -m pip wheel --quiet --no-deps --no-build-isolation "$src" -w "$work/wheel" >&2
 mkdir -p "$out.tmp"

@@ -26,7 +26,7 @@ if [ ! -f "$venv/.complete" ]; then
   touch "$venv/.complete"
 fi
 if [ "${1:-}" = "--backends" ] && [ ! -f "$venv/.backends-complete" ]; then
-  echo "[setup] adding DeepSpeed and Horovod (first run on this machine: about 4 minutes, 11 if Horovod must be built)"
+  echo "[setup] adding DeepSpeed and Horovod (first run on this machine: about 3 minutes, 8 if Horovod must be built)"
   DS_BUILD_OPS=0 "$venv/bin/python" -m pip install --quiet -r "$root/requirements/backends.txt"
   wheel=$(bash "$root/scripts/build-horovod.sh" "$venv/bin/python")
   "$venv/bin/python" -m pip install --quiet --no-deps "$wheel"

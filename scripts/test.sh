@@ -3,8 +3,7 @@
 # runs: ruff, mypy and the whole test suite (extra args go to pytest).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-bash "$root/scripts/system-deps.sh"  # first: the environment's Horovod build needs the compilers
-bash "$root/scripts/setup.sh" --backends
+bash "$root/scripts/install.sh"  # what the Dockerfile's image runs: system packages, pinned environment
 cd "$root"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

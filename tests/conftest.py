@@ -24,6 +24,7 @@ _SET_BY_OTHERS = {
     "TORCHINDUCTOR_CACHE_DIR",
     "KMP_DUPLICATE_LIB_OK",
     "KMP_INIT_AT_FORK",
+    "PYTORCH_NVML_BASED_CUDA_CHECK",  # DeepSpeed sets it when imported
 }
 
 # DeepSpeed's JIT-compiled CPU ops, built once by scripts/setup.sh inside the environment (by its real

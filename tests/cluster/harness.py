@@ -75,10 +75,15 @@ class NamespaceCluster:
                 "sh", "-c", setup, "sh", *argv]  # fmt: skip
 
     def run(
-        self, name: str, argv: list[str], timeout: float = 180, **kwargs: object
+        self, name: str, argv: list[str], timeout: float = 180, prelude: str = "", **kwargs: object
     ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            self.node_argv(name, argv), capture_output=True, text=True, timeout=timeout, check=False, **kwargs
+            self.node_argv(name, argv, prelude),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            **kwargs,
         )  # type: ignore[call-overload]
 
     def pids(self, name: str) -> list[int]:

@@ -73,18 +73,19 @@ def test_a_healthy_machine_passes_with_a_real_all_reduce() -> None:
 
 @pytest.mark.multiprocess
 def test_a_torch_that_does_not_import_is_a_finding_not_a_crash(tmp_path: Path) -> None:
-    # Another libc10.so found first through LD_LIBRARY_PATH: torch fails with "undefined symbol",
-    # as with seed 004's libcublas. The doctor itself must not need torch to say so.
+    # Another libc10.so loaded ahead of torch's own: torch fails with "undefined symbol", as with seed
+    # 004's libcublas. (torch 2.14's wheels find their libraries by RPATH, ahead of LD_LIBRARY_PATH,
+    # so the library is preloaded here.) The doctor itself must not need torch to say so.
     (tmp_path / "other.c").write_text("int other_build(void) { return 0; }\n")
-    subprocess.run(
-        ["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "libc10.so"), str(tmp_path / "other.c")], check=True
-    )
-    code, report = sail_doctor(env={**os.environ, "LD_LIBRARY_PATH": str(tmp_path)})
+    library = tmp_path / "libc10.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libc10.so", "-o", str(library), str(tmp_path / "other.c")],
+                   check=True)  # fmt: skip
+    code, report = sail_doctor(env={**os.environ, "LD_PRELOAD": str(library)})
     assert code == 1
     (broken,) = by_check(report, "torch")
     assert broken["status"] == "fail"
-    assert "undefined symbol" in broken["detail"] and f"LD_LIBRARY_PATH={tmp_path}" in broken["detail"]
-    assert broken["fix"].startswith("unset LD_LIBRARY_PATH")
+    assert "undefined symbol" in broken["detail"] and f"LD_PRELOAD={library}" in broken["detail"]
+    assert broken["fix"].startswith("unset LD_PRELOAD")
     assert by_check(report, "all-reduce")[0]["detail"].startswith("not tried")
 
 
@@ -108,7 +109,10 @@ def test_an_extension_cache_built_for_another_python_and_cuda(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     found = [f for f in judged() if f.check == "torch extensions"]
     assert [(f.status, f.fix) for f in found] == [(Status.WARN, f"rm -rf {old} (rebuilt on next use)")]
-    assert "built for py36_cu101, not for this Python and torch (py311_cpu)" in found[0].detail
+    this = f"py{sys.version_info[0]}{sys.version_info[1]}_" + (
+        f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+    )
+    assert f"built for py36_cu101, not for this Python and torch ({this})" in found[0].detail
 
 
 def test_an_extension_built_before_this_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -59,14 +59,43 @@ def test_a_driver_older_than_torchs_cuda(cpu_facts: dict[str, Any]) -> None:
 
 def test_a_container_without_the_gpu_runtime(cpu_facts: dict[str, Any]) -> None:
     facts = gpu_machine(cpu_facts, [])
-    facts["driver"].update(version=None, cuda=None, gpus=None)
+    facts["driver"].update(version=None, cuda=None, gpus=None, pci_gpus=8)  # the host's GPUs on the bus
     ((status, detail, fix),) = judge(facts, "gpus")
-    assert status is Status.FAIL and "no NVIDIA driver is visible" in detail
+    assert status is Status.FAIL and detail.endswith(
+        "no NVIDIA driver is visible (8 NVIDIA GPU(s) on the PCI bus)"
+    )
     assert "--gpus all" in fix
+    facts["driver"]["pci_gpus"] = None  # no sysfs to read: cannot tell, so the same failure
+    ((status, detail, _),) = judge(facts, "gpus")
+    assert status is Status.FAIL and detail.endswith("no NVIDIA driver is visible")
+
+
+def test_a_cuda_torch_on_a_machine_without_gpus_trains_on_the_cpu(cpu_facts: dict[str, Any]) -> None:
+    """torch's CUDA build (what the pins install) on a CPU machine: no GPU on the PCI bus, no driver."""
+    facts = gpu_machine(cpu_facts, [])
+    facts["driver"].update(version=None, cuda=None, gpus=None, pci_gpus=0)
+    ((status, detail, _),) = judge(facts, "gpus")
+    assert (status, detail) == (
+        Status.OK,
+        "no GPU on this machine: torch (a CUDA 12.1 build) trains on the CPU with gloo",
+    )
+
+
+def test_the_pci_bus_is_read_from_sysfs(tmp_path: Any) -> None:
+    from spikingsail.diagnostics.probe import pci_gpus
+
+    for name, vendor, kind in (("0000:01:00.0", "0x10de", "0x030200"), ("0000:02:00.0", "0x10de", "0x040300"),
+                               ("0000:03:00.0", "0x1af4", "0x030000"), ("0000:04:00.0", "0x10de", "0x030000")):  # fmt: skip
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "vendor").write_text(vendor + "\n")
+        (tmp_path / name / "class").write_text(kind + "\n")
+    assert pci_gpus(str(tmp_path)) == 2  # an A100 (3D controller) and a VGA card; not NVIDIA's audio
+    assert pci_gpus(str(tmp_path / "missing")) is None
 
 
 def test_a_cpu_torch_on_a_gpu_machine(cpu_facts: dict[str, Any]) -> None:
     facts = copy.deepcopy(cpu_facts)
+    facts["torch"].update(cuda=None, nccl=None, version="2.14.1+cpu")
     facts["driver"].update(version="535.104.05", cuda="12.2", gpus=8)
     ((status, detail, fix),) = judge(facts, "gpus")
     assert status is Status.FAIL and "is a CPU build, but this machine has NVIDIA GPUs" in detail

@@ -112,7 +112,8 @@ def test_the_agent_is_sail_launch_itself_forked_not_a_second_interpreter(tmp_pat
         "def cmdline(pid):\n"
         "    with open(f'/proc/{pid}/cmdline', 'rb') as f:\n"
         "        return f.read().split(b'\\0')\n"
-        "print('AGENT', cmdline(agent) == cmdline(launcher), b'torch.distributed.run' in cmdline(agent), file=sys.stderr)\n"
+        # one write(2) per line: the two workers share the pipe, and print() writes word by word unbuffered
+        "os.write(2, f'AGENT {cmdline(agent) == cmdline(launcher)} {b\"torch.distributed.run\" in cmdline(agent)}\\n'.encode())\n"
     )
     result = run_sail("launch", "-n", "2", str(script), cwd=tmp_path)
     assert result.returncode == 0, result.stderr

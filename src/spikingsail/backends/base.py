@@ -157,6 +157,12 @@ class Backend(ABC):
         """Read what ``save_state`` wrote (collective); ``optimizer`` None loads weights only."""
         dcp_io.load(module, optimizer, directory, group)
 
+    def consolidated_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state dict in fp32 where it trains in fp32 (collective: every rank calls
+        it; rank 0 gets the tensors on the CPU, the other ranks may get an empty dict). Sharded
+        parameters (FSDP) are gathered."""
+        return dcp_io.full_model_state(module)
+
     def own_state_files(self, directory: Path, rank: int) -> list[Path]:
         """The files of ``directory`` this rank wrote (it seals them; rank 0 seals the rest)."""
         return list(directory.glob(f"__{rank}_*.distcp"))

@@ -288,6 +288,33 @@ class DeepSpeedBackend(ProcessGroupBackend):
             raise CheckpointError(f"{directory / STATE_TAG} holds no DeepSpeed checkpoint",
                                   fix="resume from another checkpoint")  # fmt: skip
 
+    def consolidated_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The fp32 master weights where DeepSpeed keeps them (ZeRO 1-3, bf16): gathered from every
+        rank's partition by DeepSpeed's ``safe_get_full_fp32_param`` (collective under ZeRO); else the
+        weights themselves, gathered under ZeRO-3. Buffers are never partitioned."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        parameters = {id(p): p for p in module.parameters()}
+        state: dict[str, torch.Tensor] = {}
+        upcast = []
+        for name, value in module.state_dict(keep_vars=True).items():
+            param = parameters.get(id(value))
+            if param is None:
+                state[name] = value.detach().cpu()
+                continue
+            full = safe_get_full_fp32_param(param)
+            if full is None:
+                with self.deepspeed.zero.GatheredParameters([param], enabled=hasattr(param, "ds_id")):
+                    full = param.detach().clone()
+                if full.is_floating_point() and full.dtype != torch.float32 and param.requires_grad:
+                    upcast.append(name)
+            state[name] = full.detach().cpu()
+        if upcast and self.rank_info.is_rank_zero:
+            log.warning("DeepSpeed keeps no fp32 copy of %d trained parameter(s) (%s, ...) that this "
+                        "model's state can reach: they are saved from the %s weights",
+                        len(upcast), upcast[0], state[upcast[0]].dtype)  # fmt: skip
+        return state
+
     def own_state_files(self, directory: Path, rank: int) -> list[Path]:
         return list((directory / STATE_TAG).glob(f"*zero_pp_rank_{rank}_mp_rank_*"))
 
@@ -334,6 +361,24 @@ def _safe_globals() -> list[Any]:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
+def safe_torch_load(path: Any, map_location: Any = None, **kwargs: Any) -> Any:
+    """``torch.load`` with ``weights_only=True`` whatever the caller asks (DeepSpeed's own readers ask
+    for full unpickling, which would let a checkpoint directory run code), DeepSpeed's loss scalers
+    and enums allowed; failures as ``CheckpointError``."""
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(path, map_location=map_location, **{**kwargs, "weights_only": True})
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing", fix="resume from another checkpoint") from None
+    except Exception as err:  # torch raises several types for unreadable or unsafe files
+        raise CheckpointError(
+            f"cannot read {path}",
+            first_line(err),
+            "the file is damaged or holds objects other than tensors, plain data and "
+            "DeepSpeed's loss scaler; resume from another checkpoint",
+        ) from None
+
+
 def _safe_checkpoint_engine(engine: Any) -> Any:
     """DeepSpeed's torch checkpoint engine, reading with ``weights_only=True`` (DeepSpeed's own
     reads with plain pickle, so a checkpoint directory could run code)."""
@@ -341,18 +386,7 @@ def _safe_checkpoint_engine(engine: Any) -> Any:
 
     class SafeTorchCheckpointEngine(TorchCheckpointEngine):  # type: ignore[misc]
         def load(self, path: str, map_location: Any = None) -> Any:
-            try:
-                with torch.serialization.safe_globals(_safe_globals()):
-                    return torch.load(path, map_location=map_location, weights_only=True)
-            except FileNotFoundError:
-                raise CheckpointError(f"{path} is missing", fix="resume from another checkpoint") from None
-            except Exception as err:  # torch raises several types for unreadable or unsafe files
-                raise CheckpointError(
-                    f"cannot read {path}",
-                    first_line(err),
-                    "the file is damaged or holds objects other than tensors, plain data and "
-                    "DeepSpeed's loss scaler; resume from another checkpoint",
-                ) from None
+            return safe_torch_load(path, map_location=map_location)
 
     safe = SafeTorchCheckpointEngine(engine._config)
     previous = engine.checkpoint_engine
@@ -363,4 +397,4 @@ def _safe_checkpoint_engine(engine: Any) -> Any:
     return safe
 
 
-__all__ = ["DeepSpeedBackend", "deepspeed_config", "import_deepspeed"]
+__all__ = ["DeepSpeedBackend", "deepspeed_config", "import_deepspeed", "safe_torch_load"]

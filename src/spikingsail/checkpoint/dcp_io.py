@@ -85,6 +85,14 @@ def state_to_save(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     return state
 
 
+def full_model_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, sharded (FSDP) parameters gathered, on rank 0's CPU; the other
+    ranks of a process group get an empty dict. Collective."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized())
+    state = get_model_state_dict(module, options=options)
+    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
+
+
 def _writer(directory: Path) -> FileSystemWriter:
     # Two files per rank written by two threads; no fsync here: the checkpoint store fsyncs
     # every file while hashing it, which overlaps the flush with the hashing.

@@ -249,9 +249,13 @@ def _fsync_dir(path: Path) -> None:
 
 def _write_durably(path: Path, text: str) -> None:
     temporary = path.with_name(f".{path.name}.tmp")
-    with temporary.open("w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
+    temporary.write_text(text)
+    replace_durably(temporary, path)
+
+
+def replace_durably(temporary: Path, path: Path) -> None:
+    """Put a finished ``temporary`` file in place as ``path``: fsynced, renamed, the rename fsynced;
+    a crash leaves the old ``path`` or the new one, never a part."""
+    _fsync_file(temporary)
     os.replace(temporary, path)
     _fsync_dir(path.parent)

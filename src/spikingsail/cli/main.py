@@ -22,12 +22,21 @@ commands:
              jobs fail or hang, with a fix for each
   bench      measure things: `sail bench comm` times all-reduce, all-gather and broadcast
   report     draw a run's metrics file: loss, lr, samples/s, each rank's step-time breakdown
+  checkpoint list, verify and export a run's checkpoints (export: one .safetensors / .pt state
+             dict of the model, whatever backend wrote it)
 
 Run `sail <command> --help` for a command's options.
 """
 
 
-_COMMANDS = ("launch", "submit", "doctor", "bench", "report")  # each a module of spikingsail.cli
+_COMMANDS = (
+    "launch",
+    "submit",
+    "doctor",
+    "bench",
+    "report",
+    "checkpoint",
+)  # each a module of spikingsail.cli
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch.utils.data import TensorDataset
 
@@ -25,3 +27,51 @@ def load_digits_split(test_fraction: float = 0.2, seed: int = 0) -> tuple[Tensor
     n_test = int(len(labels) * test_fraction)
     test, train = order[:n_test], order[n_test:]
     return TensorDataset(images[train], labels[train]), TensorDataset(images[test], labels[test])
+
+
+def write_image_folder(root: str | Path, size: int = 32, test_fraction: float = 0.2) -> Path:
+    """The digits as RGB PNGs in torchvision's ImageFolder layout, ``root/train/<class>/*.png`` and
+    ``root/val/<class>/*.png`` (class folders ``0`` … ``9``), ``size`` × ``size`` pixels: a real
+    data set in the shape of ImageNet's and CIFAR's folders, for the examples without a download.
+    Written once: a complete folder (its ``.complete`` marker) is reused. Returns ``root``."""
+    root = Path(root)
+    if (root / ".complete").is_file():
+        return root
+    try:
+        from PIL import Image
+    except ImportError:
+        raise SailError("writing the digits as images needs Pillow",
+                        fix="pip install 'spikingsail[examples]' (or pillow)") from None  # fmt: skip
+    train, test = load_digits_split(test_fraction)
+    for split, dataset in (("train", train), ("val", test)):
+        images, labels = dataset.tensors
+        scaled = torch.nn.functional.interpolate(
+            images, size=(size, size), mode="bilinear", align_corners=False
+        )
+        pixels = (scaled.clamp(0, 1) * 255).round().to(torch.uint8).squeeze(1).numpy()
+        for index, (image, label) in enumerate(zip(pixels, labels.tolist(), strict=True)):
+            folder = root / split / str(label)
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image, mode="L").convert("RGB").save(folder / f"{index:04d}.png")
+    (root / ".complete").touch()
+    return root
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m spikingsail.data.digits",
+        description="Write the bundled digits as an ImageFolder (train/ and val/, RGB PNGs): data for "
+        "examples/imagenet and examples/cifar_toy with no download.",
+    )
+    parser.add_argument("root", type=Path)
+    parser.add_argument("--size", type=int, default=32, help="image side in pixels (default 32)")
+    args = parser.parse_args(argv)
+    root = write_image_folder(args.root, args.size)
+    print(f"{root}: train/ and val/ with 10 class folders of {args.size}x{args.size} RGB PNGs")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

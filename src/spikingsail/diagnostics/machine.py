@@ -62,6 +62,14 @@ def _torch_import_failure(error: str, facts: Facts, host: str) -> Finding:
     python = facts["python"]["executable"]
     if "No module named 'torch'" in error:
         return fail("torch", f"torch is not installed for {python}", f"{python} -m pip install torch", host)
+    preload = facts["env"].get("LD_PRELOAD")
+    if preload and "undefined symbol" in error:
+        return fail(
+            "torch",
+            f"torch does not import: {error[-300:]} — LD_PRELOAD={preload} loads a library ahead of torch's own",
+            "unset LD_PRELOAD (or preload only libraries built for this torch)",
+            host,
+        )
     if _CUDA_LIBRARY.search(error):
         paths = facts["env"].get("LD_LIBRARY_PATH") or "(LD_LIBRARY_PATH is not set)"
         return fail(
@@ -99,7 +107,11 @@ def _gpus(facts: Facts, host: str) -> list[Finding]:
 
 def _cuda_unavailable(torch: Facts, driver: Facts, host: str) -> Finding:
     if not driver.get("cuda") and not driver.get("version"):
-        return fail("gpus", f"torch is built for CUDA {torch['cuda']} but no NVIDIA driver is visible",
+        if driver.get("pci_gpus") == 0:  # nothing on the PCI bus either: a machine without GPUs
+            return ok("gpus", f"no GPU on this machine: torch (a CUDA {torch['cuda']} build) trains on the CPU "
+                      "with gloo", host)  # fmt: skip
+        seen = f" ({driver['pci_gpus']} NVIDIA GPU(s) on the PCI bus)" if driver.get("pci_gpus") else ""
+        return fail("gpus", f"torch is built for CUDA {torch['cuda']} but no NVIDIA driver is visible{seen}",
                     "in a container: start it with --gpus all (nvidia-container-toolkit); on the host: "
                     "install the driver (nvidia-smi must work)", host)  # fmt: skip
     if driver.get("cuda") and _version(driver["cuda"]) < _version(torch["cuda"]):

@@ -116,9 +116,19 @@ def _versions(here: Facts, facts: dict[str, Facts], report: Report) -> list[Find
     return [ok("versions", f"{', '.join(_VERSIONS)}: the same on all {len(facts)} node(s) and this machine")]
 
 
+def _gpu_node(facts: Facts) -> bool:
+    """Whether the node's processes are meant for GPUs: torch sees some, or the driver or the PCI bus
+    shows NVIDIA GPUs; a GPU build of torch on a machine whose PCI bus has none (read from sysfs)
+    trains on the CPU."""
+    torch, driver = facts["torch"], facts["driver"]
+    if torch.get("gpus") or driver.get("gpus") or driver.get("version") or driver.get("pci_gpus"):
+        return True
+    return bool(torch.get("cuda") or torch.get("hip")) and driver.get("pci_gpus") is None
+
+
 def _slots(node: Node, facts: Facts) -> Finding:
     torch = facts["torch"]
-    if torch.get("cuda") or torch.get("hip") or facts["driver"].get("gpus"):
+    if _gpu_node(facts):
         gpus = len(torch.get("gpus") or [])
         chosen = node.slots != tuple(range(node.nproc))  # --include HOST:SLOTS
         missing = [slot for slot in node.slots if slot >= gpus]

@@ -38,7 +38,7 @@ from typing import Any
 MARKER = "SAIL_PROBE "
 PACKAGES = ("spikingsail", "torch", "numpy", "deepspeed", "horovod", "mpi4py", "spikingjelly")
 ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TORCH_EXTENSIONS_DIR",
-            "LD_LIBRARY_PATH", "DS_ACCELERATOR")  # fmt: skip
+            "LD_LIBRARY_PATH", "LD_PRELOAD", "DS_ACCELERATOR")  # fmt: skip
 _TAG = re.compile(r"^py\d+\w*_(cpu|cu\d+|rocm\d+)$")
 Facts = dict[str, Any]
 
@@ -127,8 +127,9 @@ def _matmul_tflops(torch: Any, index: int, size: int = 4096, repeats: int = 10) 
 
 
 def driver_facts() -> Facts:
-    """The NVIDIA driver, seen without torch: nvidia-smi and libcuda's cuDriverGetVersion."""
-    facts: Facts = {"version": None, "cuda": None, "gpus": None, "error": None}
+    """The NVIDIA driver, seen without torch: nvidia-smi and libcuda's cuDriverGetVersion; and the
+    NVIDIA GPUs on the PCI bus, seen without any driver (``lspci | grep -i nvidia``, from sysfs)."""
+    facts: Facts = {"version": None, "cuda": None, "gpus": None, "error": None, "pci_gpus": pci_gpus()}
     if shutil.which("nvidia-smi"):
         result = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
                                 capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
@@ -145,6 +146,24 @@ def driver_facts() -> Facts:
     except OSError:
         pass  # no driver library: a CPU machine, or a container started without the GPU runtime
     return facts
+
+
+def pci_gpus(root: str = "/sys/bus/pci/devices") -> int | None:
+    """NVIDIA display and 3D controllers (vendor 0x10de, class 0x03xxxx) on the PCI bus; None when
+    the bus cannot be read (no sysfs)."""
+    try:
+        devices = list(Path(root).iterdir())
+    except OSError:
+        return None
+    count = 0
+    for device in devices:
+        try:
+            vendor = (device / "vendor").read_text().strip()
+            kind = (device / "class").read_text().strip()
+        except OSError:
+            continue
+        count += vendor == "0x10de" and kind.startswith("0x03")
+    return count
 
 
 def shm_facts(path: str = "/dev/shm") -> Facts:

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import Dataset
 
 from spikingsail.backends.base import Backend
-from spikingsail.checkpoint import dcp_io, engine_state
+from spikingsail.checkpoint import dcp_io, engine_state, export
 from spikingsail.checkpoint.engine_state import TrainingState, merged_state_dict
 from spikingsail.checkpoint.lock import JobLock
 from spikingsail.config.parse import check_balance_weights
@@ -39,7 +39,7 @@ from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
 from spikingsail.engine.state import Entry, LoaderPositions, OptimizerHyperparameters, StepCounters
 from spikingsail.engine.stragglers import StragglerWatch
 from spikingsail.environments import RankInfo
-from spikingsail.errors import CheckpointError, ConfigError
+from spikingsail.errors import CheckpointError, ConfigError, SailError
 from spikingsail.monitor import heartbeat
 from spikingsail.monitor.hangwatch import BACKWARD, CHECKPOINT, COLLECTIVE, FORWARD, OPTIMIZER
 from spikingsail.monitor.heartbeat import Heartbeat, NoHeartbeat
@@ -512,6 +512,53 @@ class Engine:
             ) from err
         log.info("checkpoint saved: %s", handle.path)
 
+    def save_model(self, path: str | Path, *, dtype: torch.dtype = torch.float32) -> str | None:
+        """Write the trained model as one consolidated state dict, loadable with
+        ``model.load_state_dict`` with no SpikingSail, backend or process group.
+
+        Every rank must call it; rank 0 writes ``path`` (``.safetensors``, or ``.pt`` / ``.pth`` /
+        ``.bin`` for ``torch.save``) atomically and gets its path, the others None. Whatever the
+        backend: FSDP shards and DeepSpeed ZeRO partitions are gathered, DeepSpeed's fp32 master
+        weights taken where it keeps them. Floating tensors are written in ``dtype`` (float32; pass
+        ``torch.bfloat16`` or ``torch.float16`` for the half-size file). Keys are the model's own
+        (no ``module.`` prefix).
+        """
+        if dtype not in export.DTYPES.values():
+            raise SailError(f"save_model(dtype={dtype}): not a floating dtype a model is saved in",
+                            fix="use torch.float32, torch.bfloat16 or torch.float16")  # fmt: skip
+        self._agree(lambda: export.check_output_path(path))  # before the gather: every rank stops
+        self.wait_for_checkpoint()
+        self.heartbeat.enter(CHECKPOINT)
+        state = self.backend.consolidated_state_dict(self.module)
+        self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
+
+        def write() -> str:
+            metadata = export.model_metadata(self.backend.name, self.global_steps)
+            written = str(export.write_model(export.cast(state, dtype), path, metadata))
+            log.info(
+                "model saved: %s (%d tensors, %s)", written, len(state), str(dtype).removeprefix("torch.")
+            )
+            return written
+
+        written = self._agree(write)
+        return written if self.rank_info.is_rank_zero else None
+
+    def _agree(self, action: Callable[[], Any]) -> Any:
+        """Run ``action`` on rank 0 and hand every rank its result, or raise its ``SailError`` on
+        every rank (so that no rank waits for one that stopped)."""
+        outcome: list[Any] = [None]
+        if self.rank_info.is_rank_zero:
+            try:
+                outcome = [("ok", action())]
+            except SailError as err:
+                outcome = [("error", err)]
+        if dist.is_initialized() and self.rank_info.world_size > 1:
+            dist.broadcast_object_list(outcome, src=0)
+        kind, value = outcome[0]
+        if kind == "error":
+            raise value
+        return value
+
     def load_checkpoint(
         self,
         load_dir: str | Path,
@@ -580,7 +627,9 @@ class Engine:
         if not dist.is_initialized():
             return None
         if self._ckpt_group is None:
-            self._ckpt_group = dist.new_group(backend="gloo")
+            group = dist.new_group(backend="gloo")  # every rank is a member
+            assert isinstance(group, dist.ProcessGroup)
+            self._ckpt_group = group
         return self._ckpt_group
 
     def restore_loaders(self, states: list[dict[str, int]]) -> None:

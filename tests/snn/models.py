@@ -32,3 +32,20 @@ def spiking_cnn() -> nn.Module:
         layer.Linear(4 * 4 * 4, 3),
         lif(),
     )
+
+
+def chunkable_snn(time_steps: int) -> nn.Module:
+    """A multi-step spiking CNN whose every part splits exactly into time chunks: batch norm through
+    time (one norm per step), spikingjelly's Dropout (one mask for all steps, kept as neuron-like
+    state) and torch's Dropout per element (a fresh draw that a recompute must replay)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        layer.Conv2d(1, 4, 3, padding=1, bias=False),
+        layer.BatchNormThroughTime2d(time_steps, 4),
+        lif(),
+        layer.Dropout(0.25),
+        layer.Flatten(),
+        layer.SeqToANNContainer(nn.Dropout(0.1)),
+        layer.Linear(4 * 4 * 4, 3),
+        lif(),
+    )

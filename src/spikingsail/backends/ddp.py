@@ -73,6 +73,13 @@ class DDPBackend(ProcessGroupBackend):
         group: dist.ProcessGroup | None,
         background: bool,
     ) -> Future[Any] | None:
+        if self.ddp is not None and self.ddp.broadcast_buffers:
+            # Buffers (batch-norm running statistics) differ between ranks after a forward; DDP
+            # overwrites them with rank 0's at the next forward. Do that now, so the checkpoint
+            # holds what every rank continues from, whichever rank's copy DCP writes.
+            with torch.no_grad():
+                for buffer in module.buffers():
+                    dist.broadcast(buffer, src=0)
         return super().save_state(module, self._local(optimizer), directory, group, background)
 
     def load_state(

@@ -45,6 +45,8 @@ FREE = (
     "raw",
 )
 """Keys (and sections) that change where or how the run is kept, not what it computes."""
+_TIME_CHUNKS = ("snn.time_chunk", "snn.memory_budget_mb", "snn.chunk_batchnorm")
+"""Free unless batch norm is normalised per chunk on either side: then the chunks shape the model."""
 _EXEMPT_WITHOUT_OPTIMIZER = ("optimizer",)
 _UNSET = object()
 
@@ -54,6 +56,8 @@ def check_resumable(
 ) -> None:
     """Raise ``CheckpointError`` naming every setting the resume cannot honour."""
     exempt = FREE + (() if with_optimizer else _EXEMPT_WITHOUT_OPTIMIZER)
+    if "per_chunk" not in (_get(saved, "snn.chunk_batchnorm"), _get(current, "snn.chunk_batchnorm")):
+        exempt += _TIME_CHUNKS  # exact chunks spend memory differently, they compute the same
     if not partial_window:
         exempt += SPLIT
     differences = list(_differences(saved, current, "", exempt))
@@ -97,3 +101,11 @@ def _show(value: Any) -> str:
 
 def _under(key: str, sections: tuple[str, ...]) -> bool:
     return any(key == s or key.startswith(f"{s}.") for s in sections)
+
+
+def _get(config: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(config, dict):
+            return None
+        config = config.get(part)  # type: ignore[assignment]
+    return config

@@ -248,6 +248,8 @@ def _value(value: Any, hint: Any, declared: dataclasses.Field[Any], where: str, 
     """A field's value: of its type and, for numbers, within the range the schema declares."""
     if declared.metadata.get("parse") == "balance":
         return _balance(value, where, key)
+    if declared.metadata.get("parse") == "time_chunk":
+        return _time_chunk(value, where, key)
     if declared.metadata.get("any_case") and isinstance(value, str):  # a choice spelled in any case
         value = next((a for a in _literal_args(hint) if a.lower() == value.lower()), value)
     # every float is at least finite: NaN would turn a check like "clip when > 0" silently off
@@ -334,6 +336,23 @@ def _balance(value: Any, where: str, key: str) -> str | tuple[float, ...] | dict
     )
 
 
+def _time_chunk(value: Any, where: str, key: str) -> int | str:
+    """``snn.time_chunk``: 0 (off), a number of time steps per chunk, or "auto"."""
+    if value == "auto" and isinstance(value, str):
+        return value
+    if isinstance(value, str):
+        raise ConfigError(
+            f"{where}: {key} is {value!r}", fix='use a number of time steps (0 = off) or "auto"'
+        )
+    return int(check_number(value, _TIME_CHUNK, key, where))
+
+
+_TIME_CHUNK = Range(
+    0, INT64_MAX, integer=True, fix='e.g. 4, or "auto" with snn.memory_budget_mb',
+    why="it is how many time steps one recomputed chunk holds (0 = off)",
+)  # fmt: skip
+
+
 def _choice(value: Any, allowed: tuple[Any, ...], where: str, key: str, optional: bool) -> Any:
     if value in allowed and isinstance(value, str):
         return value
@@ -400,6 +419,34 @@ def _check_semantics(config: SailConfig) -> None:
     if isinstance(config.sail.balance, tuple):
         check_balance_weights(list(config.sail.balance), config)
     _check_checkpoint(config)
+    _check_snn(config)
+
+
+def _check_snn(config: SailConfig) -> None:
+    where, snn = config.source, config.snn
+    if snn.time_chunk == "auto" and snn.memory_budget_mb is None:
+        raise ConfigError(
+            f'{where}: snn.time_chunk is "auto" but snn.memory_budget_mb is not set',
+            "auto sizes the chunks so that one training forward's activations fit that budget",
+            'add "memory_budget_mb" (MiB per rank), or give time_chunk a number of time steps',
+        )
+    if snn.memory_budget_mb is not None and snn.time_chunk != "auto":
+        raise ConfigError(
+            f"{where}: snn.memory_budget_mb is set but snn.time_chunk is {snn.time_chunk!r}",
+            'only time_chunk "auto" reads the budget',
+            'set "time_chunk": "auto", or drop memory_budget_mb',
+        )
+    if snn.time_chunk != 0 and snn.enabled is False:
+        raise ConfigError(f"{where}: snn.time_chunk is {snn.time_chunk!r} but snn.enabled is false",
+                          "time chunks carry spiking neurons' state from one chunk to the next",
+                          "drop time_chunk, or turn the SNN support on")  # fmt: skip
+    if snn.time_chunk != 0 and snn.step_mode == "s":
+        raise ConfigError(
+            f"{where}: snn.time_chunk is {snn.time_chunk!r} but snn.step_mode is 's'",
+            "time chunks split the [T, N, ...] sequence of one multi-step call; in single-step mode "
+            "the script calls the model once per time step",
+            'set "step_mode": "m", or drop time_chunk',
+        )
 
 
 def check_balance_weights(weights: list[float], config: SailConfig, hosts: list[str] | None = None) -> None:

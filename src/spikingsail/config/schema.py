@@ -38,6 +38,10 @@ _TIMEOUT = Range(
     why="torch counts its timeouts in whole milliseconds and the deadline of a collective in int64 "
     "nanoseconds (about 292 years), so it must be between 1 second and 100 years",
 )  # fmt: skip
+_MEMORY_BUDGET = Range(
+    0, FLOAT32_MAX, low_open=True, fix="e.g. 2048",
+    why="it is the activation memory, in MiB, that time_chunk \"auto\" sizes its chunks to",
+)  # fmt: skip
 _CLIPPING = Range(
     0, FLOAT32_MAX, fix="e.g. 1.0",
     why="it is the largest global gradient norm (0 = off), compared with the float32 norm",
@@ -144,6 +148,15 @@ class SNNConfig:
     """How engine.encode() makes [T, N, ...] from a static input: repeat (direct) or poisson (rate)."""
     sync_batchnorm: bool = False
     """Synchronise batch-norm statistics across ranks, over T × N samples in multi-step mode."""
+    time_chunk: int | str = field(default=0, metadata={"parse": "time_chunk"})
+    """Multi-step mode: run a training forward's T steps in chunks of at most this many, keep only
+    each chunk's boundary state and recompute a chunk in backward (0: off; "auto": the largest
+    chunk whose estimated activations fit memory_budget_mb)."""
+    memory_budget_mb: float | None = ranged(None, _MEMORY_BUDGET)
+    """For time_chunk "auto": the activation memory one training forward may keep, in MiB per rank."""
+    chunk_batchnorm: Literal["refuse", "per_chunk"] = "refuse"
+    """Batch norm that uses batch statistics spans T × N samples, which time chunks cannot keep:
+    refuse (the default) or normalise each chunk over its own k × N samples (a different model)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -45,6 +45,7 @@ from spikingsail.monitor.hangwatch import BACKWARD, CHECKPOINT, COLLECTIVE, FORW
 from spikingsail.monitor.heartbeat import Heartbeat, NoHeartbeat
 from spikingsail.monitor.steps import StepMonitor, StepRecord
 from spikingsail.monitor.trackers import check_installed, flatten, make_trackers
+from spikingsail.snn.chunking import time_chunked
 from spikingsail.snn.encoding import encode
 from spikingsail.snn.support import SpikingSupport
 from spikingsail.snn.syncbn import convert_sync_batchnorm
@@ -80,6 +81,11 @@ class Engine:
             self.snn = SpikingSupport.for_model(config.snn, self.module, config.source)
             if config.snn.sync_batchnorm and rank_info.distributed:
                 self.module = convert_sync_batchnorm(self.module)  # keeps the Parameter objects
+            if config.snn.time_chunk != 0:  # keeps the Parameter objects and the state_dict keys
+                adapter = self.snn.adapter.name if self.snn.adapter is not None else None
+                self.module = time_chunked(
+                    self.module, config.snn, adapter, self.snn.multi_step, config.source
+                )
             self.precision: Precision = backend.select_precision()
             self.wrapped_module, self.optimizer, self.lr_scheduler = backend.setup_module_and_optimizer(
                 self.module, optimizer, lr_scheduler

@@ -1,0 +1,182 @@
+"""Peak memory and time of one SNN training step as T grows, with and without ``snn.time_chunk``.
+
+    python benchmarks/snn_memory.py                      # both models, T = 4, 8, 16, 32, chunks of 4
+    python benchmarks/snn_memory.py --models sew --chunk 2 --steps 3
+
+Each measurement runs in a fresh process: the model, one batch and the engine (one process, the
+config's ``snn.time_chunk``) are built, the peak counter is reset, and one training step (forward,
+``engine.backward``, ``engine.step``) runs. The peak is the **process's resident-set high-water
+mark during that step minus its resident set before it** (Linux ``VmHWM`` after resetting it through
+``/proc/self/clear_refs``), with glibc's mmap threshold fixed at 64 KiB so that freed tensors leave
+the resident set; on a CUDA device it is ``torch.cuda.max_memory_allocated`` over the step instead.
+The step time is the median of the next ``--steps`` steps. Prints, for each model and T, the peak
+and time whole and in chunks, and the ratios the target is stated in: chunked peak at T over chunked
+peak at T=4, and chunked time over whole time. Then runs ``time_chunk: "auto"`` with a budget and
+prints the chunk it chose.
+
+The models: the example SNN (``examples/snn_digits.py``'s spiking CNN, batch norm per chunk, since
+its multi-step batch norm spans T × N) at 32×32 inputs, and spikingjelly's SEW-ResNet-18 (IF neurons,
+ADD connections) with batch norm through time (one norm per step, which chunks exactly) at 32×32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TIME_STEPS = (4, 8, 16, 32)
+BATCH = {"example": 64, "sew": 8}
+
+
+def build(model: str, time_steps: int) -> Any:
+    from spikingjelly.activation_based import layer, neuron, surrogate
+
+    if model == "example":
+        sys.path.insert(0, str(ROOT / "examples"))
+        from snn_digits import spiking_cnn
+
+        net = spiking_cnn()
+        net[0] = layer.Conv2d(1, 16, 3, padding=1, bias=False)
+        net[-2] = layer.Linear(32 * 8 * 8, 10)  # 32×32 inputs: two 2×2 poolings leave 8×8
+        return net
+    from spikingjelly.activation_based.model import sew_resnet
+
+    return sew_resnet.sew_resnet18(
+        num_classes=10, cnf="ADD", spiking_neuron=neuron.IFNode, surrogate_function=surrogate.ATan(),
+        detach_reset=True, norm_layer=functools.partial(layer.BatchNormThroughTime2d, time_steps),
+    )  # fmt: skip
+
+
+def measure(
+    model: str, time_steps: int, chunk: int | str, steps: int, budget: float | None
+) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    import spikingsail
+    from spikingsail.environments import RankInfo
+    from spikingsail.snn import firing_rate
+
+    torch.manual_seed(0)
+    net = build(model, time_steps)
+    snn: dict[str, Any] = {"step_mode": "m", "time_steps": time_steps, "time_chunk": chunk}
+    if model == "example":
+        snn["chunk_batchnorm"] = "per_chunk"
+    if budget is not None:
+        snn["memory_budget_mb"] = budget
+    engine, _ = spikingsail.initialize(
+        model=net, rank_info=RankInfo.single(),
+        config={"train_micro_batch_size_per_gpu": BATCH[model], "snn": snn,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+                "sail": {"progress_bar": False, "hang_timeout_seconds": 0, "straggler_window": 0}},
+    )  # fmt: skip
+    channels = 1 if model == "example" else 3
+    x = torch.rand(BATCH[model], channels, 32, 32, device=engine.device)
+    y = torch.randint(0, 10, (BATCH[model],), device=engine.device)
+
+    def step() -> None:
+        rate = firing_rate(engine(engine.encode(x)))
+        engine.backward(F.mse_loss(rate, F.one_hot(y, 10).float()))
+        engine.step()
+
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        before = _rss()
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        step()
+        peak = _status("VmHWM") - before
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    chosen = engine.module.checkpoint_fn.func.choices if chunk == "auto" else {}
+    engine.close()
+    return {"peak_mib": peak / 2**20, "seconds": statistics.median(times),
+            "chosen": [c.steps_per_chunk for c in chosen.values()]}  # fmt: skip
+
+
+def _rss() -> int:
+    return _status("VmRSS")
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def run_one(
+    model: str, time_steps: int, chunk: int | str, steps: int, budget: float | None = None
+) -> dict[str, Any]:
+    env = {
+        **os.environ,
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+    }
+    command = [sys.executable, __file__, "--one", json.dumps([model, time_steps, chunk, steps, budget])]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise SystemExit(f"{model} T={time_steps} chunk={chunk} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", nargs="+", default=["example", "sew"], choices=["example", "sew"])
+    parser.add_argument("--chunk", type=int, default=4, help="time steps per chunk (snn.time_chunk)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
+    parser.add_argument("--budget", type=float, default=None, help="MiB for the time_chunk auto run")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        logging.basicConfig(level=logging.WARNING)
+        print(json.dumps(measure(*json.loads(args.one))))
+        return
+    import torch
+
+    print(f"peak = {'CUDA max_memory_allocated' if torch.cuda.is_available() else 'resident-set high-water mark'}"
+          f" over one training step, MiB; time = median s/step; chunks of {args.chunk} steps")  # fmt: skip
+    for model in args.models:
+        print(f"\n{model} (batch {BATCH[model]}, 32×32)")
+        print(
+            f"{'T':>4}{'peak whole':>12}{'peak chunked':>14}{'chunked/T=4':>13}{'s whole':>10}{'s chunked':>11}{'time ratio':>12}"
+        )
+        base = None
+        last = None
+        for t in TIME_STEPS:
+            whole, chunked = run_one(model, t, 0, args.steps), run_one(model, t, args.chunk, args.steps)
+            base = base or chunked["peak_mib"]
+            last = whole
+            print(f"{t:>4}{whole['peak_mib']:>12.1f}{chunked['peak_mib']:>14.1f}{chunked['peak_mib'] / base:>13.2f}"
+                  f"{whole['seconds']:>10.3f}{chunked['seconds']:>11.3f}{chunked['seconds'] / whole['seconds']:>12.2f}")  # fmt: skip
+        budget = args.budget or (last["peak_mib"] / 4 if last else 100.0)
+        auto = run_one(model, TIME_STEPS[-1], "auto", args.steps, budget)
+        print(f'time_chunk "auto", memory_budget_mb {budget:.0f}, T={TIME_STEPS[-1]}: chose chunks of {auto["chosen"]} '
+              f"step(s); peak {auto['peak_mib']:.1f} MiB, {auto['seconds']:.3f} s/step")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -34,14 +34,14 @@ def spiking_cnn() -> nn.Module:
     )
 
 
-def chunkable_snn(time_steps: int) -> nn.Module:
+def chunkable_snn(time_steps: int, batch_norm: bool = True) -> nn.Module:
     """A multi-step spiking CNN whose every part splits exactly into time chunks: batch norm through
     time (one norm per step), spikingjelly's Dropout (one mask for all steps, kept as neuron-like
     state) and torch's Dropout per element (a fresh draw that a recompute must replay)."""
     torch.manual_seed(0)
     return nn.Sequential(
         layer.Conv2d(1, 4, 3, padding=1, bias=False),
-        layer.BatchNormThroughTime2d(time_steps, 4),
+        layer.BatchNormThroughTime2d(time_steps, 4) if batch_norm else nn.Identity(),
         lif(),
         layer.Dropout(0.25),
         layer.Flatten(),

@@ -76,7 +76,9 @@ class TimeChunking:
         self.source = source
         self._base = base
         self._forward_chunks = checkpointing._checkpoint_module_forward
-        self._functional = base.to_functional_forward(model)
+        # Through the model's __call__, not spikingjelly's per-layer composition: FSDP2 and ZeRO-3
+        # gather parameters in forward hooks, which a bypassed __call__ would skip.
+        self._functional = base.to_functional_forward(model, fn=model.__call__)
         self._batch_norms = _batch_norms_over_time(model)
         self.choices: dict[tuple[Any, ...], ChunkChoice] = {}
 

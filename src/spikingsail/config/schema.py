@@ -154,6 +154,10 @@ class SNNConfig:
     chunk whose estimated activations fit memory_budget_mb)."""
     memory_budget_mb: float | None = ranged(None, _MEMORY_BUDGET)
     """For time_chunk "auto": the activation memory one training forward may keep, in MiB per rank."""
+    check_state: bool = False
+    """Debug: before a forward that starts a new micro-batch (after a backward, an accumulation
+    boundary, a train/eval switch, a checkpoint load), fail naming any neuron whose state is not at
+    its reset value."""
     chunk_batchnorm: Literal["refuse", "per_chunk"] = "refuse"
     """Batch norm that uses batch statistics spans T × N samples, which time chunks cannot keep:
     refuse (the default) or normalise each chunk over its own k × N samples (a different model)."""

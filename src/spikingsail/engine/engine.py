@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from spikingsail.backends.base import Backend
@@ -86,6 +87,7 @@ class Engine:
                 self.module = time_chunked(
                     self.module, config.snn, adapter, self.snn.multi_step, config.source
                 )
+            _keep_neuron_state_per_rank(self.module, self.snn)
             self.precision: Precision = backend.select_precision()
             self.wrapped_module, self.optimizer, self.lr_scheduler = backend.setup_module_and_optimizer(
                 self.module, optimizer, lr_scheduler
@@ -172,7 +174,7 @@ class Engine:
                 self.backend.backward(loss * self._loss_weight())
         if self.stragglers is not None:
             self.stragglers.backward_ends(start)
-        self.snn.after_backward()
+        self.snn.after_backward(self.is_gradient_accumulation_boundary())
         self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
 
     def step(self) -> None:
@@ -458,7 +460,7 @@ class Engine:
             seed=seed if seed is not None else (self.config.sail.seed or 0),
             pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory,
             collate_fn=collate_fn,
-            on_batch=self.snn.on_batch if self.snn.manages_state else None,
+            on_batch=self.snn.on_batch if self.snn.manages_state or self.config.snn.check_state else None,
             device=self.device if self._move_inputs else None,
             shares=shares,
             **loader_kwargs,
@@ -769,3 +771,22 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def _keep_neuron_state_per_rank(module: torch.nn.Module, snn: SpikingSupport) -> None:
+    """Neuron state kept in buffers (snntorch's ``mem``) is each rank's own: DDP, which broadcasts
+    rank 0's buffers at every forward, must leave it alone (and could not broadcast it anyway when
+    the ranks' batches differ in size)."""
+    if snn.adapter is None:
+        return
+    neurons = {id(m) for m in snn.modules}
+    names = [
+        f"{prefix}.{buffer}" if prefix else buffer
+        for prefix, m in module.named_modules()
+        if id(m) in neurons
+        for buffer in snn.adapter.state_buffers(m)
+    ]
+    if names:
+        ignored = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
+        ignore = DistributedDataParallel._set_params_and_buffers_to_ignore_for_model
+        ignore(module, ignored + names)  # type: ignore[no-untyped-call]  # torch's own, for exactly this

@@ -1,8 +1,8 @@
 """Recognising spiking layers and resetting their state, one small adapter per SNN library.
 
 An adapter says whether a model holds stateful spiking modules of its library, resets their state
-and sets their step mode. spikingjelly's is built in; snntorch or norse fit the same four methods
-(``register_adapter``). A library the process has not imported is never matched, and never
+and sets their step mode, and (for ``snn.check_state``) says which state is not at its reset value.
+spikingjelly's and snntorch's are built in; another library fits the same methods (``register_adapter``). A library the process has not imported is never matched, and never
 imported: a conventional model pays nothing.
 """
 
@@ -35,6 +35,15 @@ class SpikingAdapter(ABC):
     def set_step_mode(self, model: torch.nn.Module, step_mode: str) -> None:
         """'s': one time step per call; 'm': a whole ``[T, N, ...]`` sequence per call."""
 
+    def carried_state(self, module: torch.nn.Module) -> list[str] | None:
+        """The names of ``module``'s state variables that are not at their reset value (``[]``: all
+        fresh); None when this adapter cannot tell (``snn.check_state`` then refuses the model)."""
+        return None
+
+    def state_buffers(self, module: torch.nn.Module) -> list[str]:
+        """Names of ``module``'s buffers that hold neuron state (per rank: DDP must not broadcast them)."""
+        return []
+
 
 class SpikingJellyAdapter(SpikingAdapter):
     """spikingjelly.activation_based: neurons are ``MemoryModule`` subclasses with ``reset()``."""
@@ -58,8 +67,60 @@ class SpikingJellyAdapter(SpikingAdapter):
 
         functional.set_step_mode(model, step_mode)
 
+    def carried_state(self, module: torch.nn.Module) -> list[str]:
+        memories: dict[str, object] = module._memories  # type: ignore[assignment]
+        reset_values: dict[str, object] = module._memories_rv  # type: ignore[assignment]
+        return [name for name, value in memories.items() if not _same(value, reset_values.get(name))]
 
-_ADAPTERS: list[SpikingAdapter] = [SpikingJellyAdapter()]
+
+class SnnTorchAdapter(SpikingAdapter):
+    """snntorch: neurons are ``SpikingNeuron`` subclasses keeping their state (``mem``, ``syn``,
+    ``spk``…) in non-persistent buffers, zeroed by ``reset_mem()``. snntorch has no multi-step mode:
+    the script calls the model once per time step."""
+
+    name = "snntorch"
+
+    def available(self) -> bool:
+        return "snntorch" in sys.modules
+
+    def stateful_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        neuron = sys.modules["snntorch"].SpikingNeuron
+        return [m for m in model.modules() if isinstance(m, neuron)]
+
+    def reset(self, modules: list[torch.nn.Module]) -> None:
+        for module in modules:
+            module.reset_mem()  # type: ignore[operator]  # every snntorch neuron has it
+
+    def set_step_mode(self, model: torch.nn.Module, step_mode: str) -> None:
+        if step_mode != "s":
+            from spikingsail.errors import ConfigError
+
+            raise ConfigError(
+                f"snn.step_mode is {step_mode!r}, but the model's neurons are snntorch's",
+                "snntorch neurons take one time step per call; there is no multi-step mode to switch to",
+                'drop snn.step_mode (or set "s") and loop over the time steps in the model or the script',
+            )
+
+    def state_buffers(self, module: torch.nn.Module) -> list[str]:
+        return [
+            n for n, b in module._buffers.items() if b is not None and n in module._non_persistent_buffers_set
+        ]
+
+    def carried_state(self, module: torch.nn.Module) -> list[str]:
+        return [n for n in self.state_buffers(module) if bool(getattr(module, n).detach().ne(0).any())]
+
+
+def _same(value: object, reset_value: object) -> bool:
+    if isinstance(reset_value, torch.Tensor):
+        return (
+            isinstance(value, torch.Tensor)
+            and value.shape == reset_value.shape
+            and bool(torch.equal(value, reset_value))
+        )
+    return not isinstance(value, torch.Tensor) and value == reset_value
+
+
+_ADAPTERS: list[SpikingAdapter] = [SpikingJellyAdapter(), SnnTorchAdapter()]
 
 
 def register_adapter(adapter: SpikingAdapter) -> None:

@@ -12,6 +12,11 @@ is reset
 * after a checkpoint load — state is not part of a checkpoint.
 
 ``"off"`` leaves all of it to the script (streaming / truncated-BPTT setups that carry state).
+
+``snn.check_state`` (a debug mode) checks that promise instead of trusting it: before the first
+forward after each of those boundaries (every forward in multi-step mode), every neuron's state must
+be at its reset value, or the engine fails naming the module, the state and the boundary. It catches
+a script with ``reset: "off"`` that forgets a reset, and a neuron whose ``reset()`` misses its state.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import logging
 import torch
 
 from spikingsail.config.schema import SNNConfig
-from spikingsail.errors import ConfigError
+from spikingsail.errors import ConfigError, SailError
 from spikingsail.snn.adapters import SpikingAdapter, find_adapter
 
 log = logging.getLogger(__name__)
@@ -29,12 +34,18 @@ log = logging.getLogger(__name__)
 
 class SpikingSupport:
     def __init__(
-        self, config: SNNConfig, adapter: SpikingAdapter | None, modules: list[torch.nn.Module]
+        self,
+        config: SNNConfig,
+        adapter: SpikingAdapter | None,
+        modules: list[torch.nn.Module],
+        model: torch.nn.Module | None = None,
     ) -> None:
         self.config = config
         self.adapter = adapter
         self.modules = modules
         self.resets = 0
+        self.names = {id(m): name for name, m in model.named_modules()} if model is not None else {}
+        self._boundary: str | None = "the engine's start"
 
     @classmethod
     def for_model(cls, config: SNNConfig, model: torch.nn.Module, source: str) -> SpikingSupport:
@@ -51,8 +62,14 @@ class SpikingSupport:
         adapter, modules = found
         if config.step_mode is not None:
             adapter.set_step_mode(model, config.step_mode)
+        if config.check_state and adapter.carried_state(modules[0]) is None:
+            raise ConfigError(
+                f"{source}: snn.check_state is true, but the {adapter.name} adapter cannot read a neuron's state",
+                "the check compares every neuron's state with its reset value at each boundary",
+                "give the adapter a carried_state method, or drop snn.check_state",
+            )
         log.debug("%d %s neuron module(s); reset policy %s", len(modules), adapter.name, config.reset)
-        return cls(config, adapter, modules)
+        return cls(config, adapter, modules, model)
 
     @property
     def active(self) -> bool:
@@ -75,19 +92,52 @@ class SpikingSupport:
     def before_forward(self) -> None:
         if self.manages_state and self.multi_step:
             self.reset()
+        if self.config.check_state and self.adapter is not None:
+            boundary = self._boundary or ("a multi-step call" if self.multi_step else None)
+            self._boundary = None
+            if boundary is not None:
+                self.check(boundary)
 
-    def after_backward(self) -> None:
+    def after_backward(self, boundary: bool = False) -> None:
         if self.manages_state:
             self.reset()
+        self._boundary = (
+            "an accumulation boundary (optimizer step)" if boundary else "a micro-batch's end (backward)"
+        )
 
     def on_batch(self) -> None:
         if self.manages_state and not self.multi_step:
             self.reset()
+        self._boundary = self._boundary or "a new batch from engine.dataloader"
 
     def on_mode_change(self) -> None:
         if self.manages_state:
             self.reset()
+        self._boundary = "a train/eval switch"
 
     def after_load(self) -> None:
         if self.active:
             self.reset()
+        self._boundary = "a checkpoint load"
+
+    def check(self, boundary: str) -> None:
+        """Raise ``StateLeakError`` naming the first neuron whose state crossed ``boundary``."""
+        assert self.adapter is not None
+        for module in self.modules:
+            carried = self.adapter.carried_state(module)
+            if carried:
+                name = self.names.get(id(module), type(module).__name__) or "<the model>"
+                raise StateLeakError(
+                    f"snn.check_state: neuron '{name}' ({self.adapter.name} {type(module).__name__}) "
+                    f"carries state ({', '.join(carried)}) across {boundary}",
+                    "each micro-batch must start from the reset state: carried over, the previous batch "
+                    "leaks into this one (and into its gradient), so batches are no longer independent "
+                    "and a resumed, re-batched or re-sharded run trains differently",
+                    'with snn.reset "off", reset the neurons at this boundary (engine.reset_neurons()); '
+                    'with "per_batch", this module\'s reset does not clear that state: fix its reset, or '
+                    "keep the state in the library's own state variables",
+                )
+
+
+class StateLeakError(SailError):
+    """A neuron's state crossed a boundary where it must be reset (``snn.check_state``)."""

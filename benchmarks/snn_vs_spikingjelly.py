@@ -1,4 +1,4 @@
-"""SNN step time through the engine against a hand-written spikingjelly + DDP loop, on 2 gloo ranks.
+"""SNN step time through the engine against spikingjelly's own data-parallel ways, on 2 gloo ranks.
 
     python benchmarks/snn_vs_spikingjelly.py            # re-launches itself with `sail launch -n 2`
     python benchmarks/snn_vs_spikingjelly.py --steps 200
@@ -6,9 +6,16 @@
 Both loops train the same multi-step spiking CNN (LIF neurons, surrogate gradients, T time steps)
 on the same pre-made batches in the same process group. The hand-written loop is what
 spikingjelly's examples do: encode by repeating the input T times, forward, loss on the firing
-rate, backward, step, ``functional.reset_net``. The engine loop calls ``engine.encode`` and leaves
-the reset to the engine. Their steps alternate one by one; prints the median step time of each
-after warm-up and the ratio (engine / hand-written).
+rate, backward, step, ``functional.reset_net``. The third is spikingjelly 2.0's
+``activation_based.distributed.vision`` training step, built from its own pieces: the input made by
+its ``_classification_sequence`` path (``_forward_classification``: repeat T times, contiguous, mean
+of the outputs over T), its ``_classification_loss``, backward, step, ``reset_net``; the model in DDP
+with ``broadcast_buffers`` as its ``_wrap_data_parallel`` sets it for multi-step models (that function
+passes ``device_ids=[device.index]``, which DDP refuses for a CPU module, so the wrap is made here
+with ``device_ids=None``; its trainer also calls ``torch.cuda.synchronize`` every step, so it cannot
+run on a CPU as it is). The engine loop calls ``engine.encode`` and leaves the reset to the engine.
+The three steps alternate one by one; prints the median step time of each after warm-up and the
+ratios (engine / hand-written, engine / spikingjelly distributed).
 """
 
 from __future__ import annotations
@@ -77,6 +84,21 @@ def main() -> None:
         ddp_opt.zero_grad(set_to_none=True)
         functional.reset_net(ddp)
 
+    from spikingjelly.activation_based.distributed.vision import execution
+
+    sj_dp = DistributedDataParallel(copy.deepcopy(base), broadcast_buffers=True)  # its multi-step setting
+    sj_opt = torch.optim.Adam(sj_dp.parameters(), lr=1e-3)
+
+    def rate_mse(rate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(rate, F.one_hot(y, 10).float())
+
+    def spikingjelly_distributed(x: torch.Tensor, y: torch.Tensor) -> None:
+        rate = execution._forward_classification(sj_dp, x, T, "m", "NCHW")
+        execution._classification_loss(rate, y, rate_mse).backward()
+        sj_opt.step()
+        sj_opt.zero_grad(set_to_none=True)
+        functional.reset_net(sj_dp)
+
     model = copy.deepcopy(base)
     engine, _ = spikingsail.initialize(
         model=model,
@@ -90,13 +112,15 @@ def main() -> None:
         engine.backward(F.mse_loss(rate, F.one_hot(y, 10).float()))
         engine.step()
 
-    interleaved((hand_written, through_engine), batches(WARMUP))
-    hand_times, engine_times = interleaved((hand_written, through_engine), batches(args.steps))
+    loops = (hand_written, spikingjelly_distributed, through_engine)
+    interleaved(loops, batches(WARMUP))
+    hand_times, sj_times, engine_times = interleaved(loops, batches(args.steps))
     engine.close()
     if dist.get_rank() == 0:
-        hand, eng = statistics.median(hand_times), statistics.median(engine_times)
-        print(f"\n{'spikingjelly + DDP ms/step':>28}{'engine ms/step':>16}{'ratio':>8}")
-        print(f"{hand * 1e3:>28.2f}{eng * 1e3:>16.2f}{eng / hand:>8.3f}")
+        hand, sj, eng = (statistics.median(t) for t in (hand_times, sj_times, engine_times))
+        print(f"\n{'spikingjelly + DDP':>20}{'sj distributed':>16}{'engine':>10}{'engine/DDP':>12}{'engine/sj dist':>16}"
+              "   (ms/step)")  # fmt: skip
+        print(f"{hand * 1e3:>20.2f}{sj * 1e3:>16.2f}{eng * 1e3:>10.2f}{eng / hand:>12.3f}{eng / sj:>16.3f}")
         print(f"(median of {args.steps} steps each, micro batch {MICRO_BATCH}, T={T}, 16×16 inputs, "
               f"{dist.get_world_size()} gloo ranks, torch {torch.__version__})")  # fmt: skip
     dist.destroy_process_group()

@@ -11,7 +11,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache=${SPIKINGSAIL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/spikingsail}
 python=${PYTHON:-python3}
-key=$( (cat "$root"/requirements/{dev,nodeps,backends}.txt "$root/scripts/build-horovod.sh"
+key=$( (cat "$root"/requirements/{dev,nodeps,sdist,backends}.txt "$root/scripts/build-horovod.sh"
         "$python" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
 venv="$cache/venv-$key"
 
@@ -23,6 +23,10 @@ if [ ! -f "$venv/.complete" ]; then
   "$venv/bin/python" -m pip install --quiet --upgrade pip
   "$venv/bin/python" -m pip install --quiet -r "$root/requirements/dev.txt"
   "$venv/bin/python" -m pip install --quiet --no-deps -r "$root/requirements/nodeps.txt"
+  sdists=$(mktemp -d)
+  "$venv/bin/python" -m pip download --quiet --no-deps --no-binary :all: -d "$sdists" -r "$root/requirements/sdist.txt"
+  "$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation "$sdists"/*.tar.gz
+  rm -rf "$sdists"
   touch "$venv/.complete"
 fi
 if [ "${1:-}" = "--backends" ] && [ ! -f "$venv/.backends-complete" ]; then

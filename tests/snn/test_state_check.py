@@ -1,4 +1,4 @@
-"""snn.check_state: every kind of leak made for real, on spikingjelly and snntorch models, is caught
+"""snn.check_state: every kind of leak made for real, on spikingjelly, snntorch and norse models, is caught
 naming the neuron and the boundary; clean runs are never flagged. And snntorch's neuron state, kept in
 buffers, stays each rank's own under DDP."""
 
@@ -8,6 +8,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import norse.torch as norse
 import pytest
 import snntorch
 import torch
@@ -182,6 +183,59 @@ def test_a_forgotten_snntorch_reset_is_caught() -> None:
 def test_snntorch_has_no_multi_step_mode_to_set() -> None:
     with pytest.raises(spikingsail.errors.ConfigError, match="snntorch neurons take one time step per call"):
         engine_for(SnnTorchNet(), step_mode="m")
+
+
+# -- norse ---------------------------------------------------------------------------------------
+
+
+class NorseNet(nn.Module):
+    """A norse LIF cell (stateless: state in, state out) whose state the model keeps between calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.cell, self.fc2 = nn.Linear(6, 8), norse.LIFCell(), nn.Linear(8, 3)
+        self.state: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z, self.state = self.cell(self.fc1(x) * 4, self.state)
+        return self.fc2(z)
+
+
+def test_the_norse_adapter_finds_resets_and_reads_the_kept_state(tmp_path: Path) -> None:
+    model = NorseNet()
+    engine = engine_for(model, step_mode=None, accumulation=2, checkpoints=str(tmp_path))
+    assert engine.snn.adapter.name == "norse" and engine.snn.modules == [model]
+    for x, y in engine.dataloader(data()):
+        single_step(engine, x, y)
+        assert model.state is None  # reset after the backward
+    engine.eval()
+    with torch.no_grad():
+        for x, _ in engine.dataloader(data(), shuffle=False):
+            for _ in range(T):
+                engine(x)
+    engine.train()
+    engine.save_checkpoint(str(tmp_path))
+    engine.load_checkpoint(str(tmp_path))
+    for x, y in engine.dataloader(data()):
+        single_step(engine, x, y)
+    engine.close()
+
+
+def test_a_forgotten_norse_reset_is_caught() -> None:
+    engine = engine_for(NorseNet(), reset="off", step_mode=None)
+    (x, y), *_ = list(engine.dataloader(data()))
+    single_step(engine, x, y)
+    with pytest.raises(
+        StateLeakError, match=r"neuron '<the model>' \(norse NorseNet\) carries state \(state\)"
+    ):
+        engine(x)
+    engine.close()
+
+
+def test_norse_step_modes_are_module_classes() -> None:
+    with pytest.raises(spikingsail.errors.ConfigError, match="norse fixes the step mode by module class"):
+        engine_for(NorseNet(), step_mode="s")
 
 
 def streaming(lr: float) -> tuple[torch.Tensor, torch.Tensor]:

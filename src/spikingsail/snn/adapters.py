@@ -2,7 +2,8 @@
 
 An adapter says whether a model holds stateful spiking modules of its library, resets their state
 and sets their step mode, and (for ``snn.check_state``) says which state is not at its reset value.
-spikingjelly's and snntorch's are built in; another library fits the same methods (``register_adapter``). A library the process has not imported is never matched, and never
+spikingjelly's, snntorch's and norse's are built in; another library fits the same methods
+(``register_adapter``). A library the process has not imported is never matched, and never
 imported: a conventional model pays nothing.
 """
 
@@ -110,6 +111,63 @@ class SnnTorchAdapter(SpikingAdapter):
         return [n for n in self.state_buffers(module) if bool(getattr(module, n).detach().ne(0).any())]
 
 
+class NorseAdapter(SpikingAdapter):
+    """norse: neuron modules (``LIFCell``, ``LIF``, …) are stateless — each call takes a state and
+    returns the next, ``None`` meaning the initial one. State carries over where a module of the
+    model keeps what they return (``z, self.state = self.cell(x, self.state)``). The stateful modules
+    are therefore the model's own modules that hold norse neurons; resetting sets every attribute
+    that holds a norse state (or a list or tuple of them, as ``SequentialState`` returns) to None."""
+
+    name = "norse"
+
+    def available(self) -> bool:
+        return "norse.torch.module.snn" in sys.modules
+
+    def stateful_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        neuron_types = self._neuron_types()
+        holders = []
+        for module in model.modules():
+            if isinstance(module, neuron_types) or type(module).__module__.startswith("norse."):
+                continue
+            if any(isinstance(m, neuron_types) for m in module.modules()):
+                holders.append(module)
+        return holders
+
+    def reset(self, modules: list[torch.nn.Module]) -> None:
+        for module in modules:
+            for name in self.carried_state(module):
+                setattr(module, name, None)
+
+    def set_step_mode(self, model: torch.nn.Module, step_mode: str) -> None:
+        from spikingsail.errors import ConfigError
+
+        raise ConfigError(
+            f"snn.step_mode is {step_mode!r}, but the model's neurons are norse's",
+            "norse fixes the step mode by module class: LIFCell takes one time step per call, LIF a [T, N, ...] sequence",
+            "drop snn.step_mode and build the model from the cell or the sequence modules",
+        )
+
+    def carried_state(self, module: torch.nn.Module) -> list[str]:
+        return [
+            name
+            for name, value in vars(module).items()
+            if not name.startswith("_") and _is_norse_state(value)
+        ]
+
+    @staticmethod
+    def _neuron_types() -> tuple[type, ...]:
+        snn = sys.modules["norse.torch.module.snn"]
+        return tuple(
+            getattr(snn, n) for n in ("SNN", "SNNCell", "SNNRecurrent", "SNNRecurrentCell") if hasattr(snn, n)
+        )
+
+
+def _is_norse_state(value: object) -> bool:
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return any(_is_norse_state(v) for v in value)
+    return isinstance(value, tuple) and type(value).__module__.startswith("norse.")
+
+
 def _same(value: object, reset_value: object) -> bool:
     if isinstance(reset_value, torch.Tensor):
         return (
@@ -120,7 +178,7 @@ def _same(value: object, reset_value: object) -> bool:
     return not isinstance(value, torch.Tensor) and value == reset_value
 
 
-_ADAPTERS: list[SpikingAdapter] = [SpikingJellyAdapter(), SnnTorchAdapter()]
+_ADAPTERS: list[SpikingAdapter] = [SpikingJellyAdapter(), SnnTorchAdapter(), NorseAdapter()]
 
 
 def register_adapter(adapter: SpikingAdapter) -> None:

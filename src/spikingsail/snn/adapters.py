@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from abc import ABC, abstractmethod
+from typing import NoReturn
 
 import torch
 
@@ -94,13 +95,11 @@ class SnnTorchAdapter(SpikingAdapter):
 
     def set_step_mode(self, model: torch.nn.Module, step_mode: str) -> None:
         if step_mode != "s":
-            from spikingsail.errors import ConfigError
-
-            raise ConfigError(
-                f"snn.step_mode is {step_mode!r}, but the model's neurons are snntorch's",
+            _refuse_step_mode(
+                step_mode, self.name,
                 "snntorch neurons take one time step per call; there is no multi-step mode to switch to",
                 'drop snn.step_mode (or set "s") and loop over the time steps in the model or the script',
-            )
+            )  # fmt: skip
 
     def state_buffers(self, module: torch.nn.Module) -> list[str]:
         return [
@@ -139,13 +138,11 @@ class NorseAdapter(SpikingAdapter):
                 setattr(module, name, None)
 
     def set_step_mode(self, model: torch.nn.Module, step_mode: str) -> None:
-        from spikingsail.errors import ConfigError
-
-        raise ConfigError(
-            f"snn.step_mode is {step_mode!r}, but the model's neurons are norse's",
+        _refuse_step_mode(
+            step_mode, self.name,
             "norse fixes the step mode by module class: LIFCell takes one time step per call, LIF a [T, N, ...] sequence",
             "drop snn.step_mode and build the model from the cell or the sequence modules",
-        )
+        )  # fmt: skip
 
     def carried_state(self, module: torch.nn.Module) -> list[str]:
         return [
@@ -160,6 +157,12 @@ class NorseAdapter(SpikingAdapter):
         return tuple(
             getattr(snn, n) for n in ("SNN", "SNNCell", "SNNRecurrent", "SNNRecurrentCell") if hasattr(snn, n)
         )
+
+
+def _refuse_step_mode(step_mode: str, library: str, why: str, fix: str) -> NoReturn:
+    from spikingsail.errors import ConfigError
+
+    raise ConfigError(f"snn.step_mode is {step_mode!r}, but the model's neurons are {library}'s", why, fix)
 
 
 def _is_norse_state(value: object) -> bool:

@@ -30,6 +30,7 @@ from spikingsail.backends.process_group import (
     init_default_group,
     rendezvous_store,
 )
+from spikingsail.checkpoint import dcp_io
 from spikingsail.config.parse import INERT_DEEPSPEED_KEYS, NOT_FOR_DEEPSPEED
 from spikingsail.config.schema import SailConfig
 from spikingsail.engine.precision import Precision, native_bf16
@@ -365,18 +366,10 @@ def safe_torch_load(path: Any, map_location: Any = None, **kwargs: Any) -> Any:
     """``torch.load`` with ``weights_only=True`` whatever the caller asks (DeepSpeed's own readers ask
     for full unpickling, which would let a checkpoint directory run code), DeepSpeed's loss scalers
     and enums allowed; failures as ``CheckpointError``."""
-    try:
-        with torch.serialization.safe_globals(_safe_globals()):
-            return torch.load(path, map_location=map_location, **{**kwargs, "weights_only": True})
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing", fix="resume from another checkpoint") from None
-    except Exception as err:  # torch raises several types for unreadable or unsafe files
-        raise CheckpointError(
-            f"cannot read {path}",
-            first_line(err),
-            "the file is damaged or holds objects other than tensors, plain data and "
-            "DeepSpeed's loss scaler; resume from another checkpoint",
-        ) from None
+    return dcp_io.load_weights_only(
+        path, map_location, allowed_globals=_safe_globals(),
+        holds="tensors, plain data and DeepSpeed's loss scaler", **kwargs,
+    )  # fmt: skip
 
 
 def _safe_checkpoint_engine(engine: Any) -> Any:

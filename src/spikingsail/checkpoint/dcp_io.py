@@ -16,7 +16,7 @@ import contextlib
 import io
 import pickle
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -180,6 +180,26 @@ class SafeFileSystemReader(FileSystemReader):
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata
+
+
+def load_weights_only(
+    path: Any, map_location: Any = "cpu", *, allowed_globals: Sequence[Any] = (),
+    holds: str = "tensors and plain data", **kwargs: Any,
+) -> Any:  # fmt: skip
+    """``torch.load`` of a file SpikingSail or DeepSpeed wrote, with ``weights_only=True`` whatever the
+    caller asks (plain unpickling would let a checkpoint directory run code) and only
+    ``allowed_globals`` beyond torch's own; a missing or unreadable file as ``CheckpointError``."""
+    try:
+        with torch.serialization.safe_globals(list(allowed_globals)):
+            return torch.load(path, map_location=map_location, **{**kwargs, "weights_only": True})
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing", fix="resume from another checkpoint") from None
+    except Exception as err:  # torch raises several types for unreadable or unsafe files
+        raise CheckpointError(
+            f"cannot read {path}",
+            first_line(err),
+            f"the file is damaged or holds objects other than {holds}; resume from another checkpoint",
+        ) from None
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

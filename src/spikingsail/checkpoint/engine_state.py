@@ -37,7 +37,7 @@ from spikingsail.checkpoint.compatibility import check_resumable
 from spikingsail.checkpoint.store import CheckpointStore, seal
 from spikingsail.config.schema import SailConfig
 from spikingsail.environments import RankInfo
-from spikingsail.errors import CheckpointError, first_line
+from spikingsail.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 _FAILED = "<failed>"
@@ -215,14 +215,14 @@ def load(
     for stateful in training.states.values():
         stateful.load_state_dict(saved)
     if saved_world == world_size:
-        restore_rng(_load(path / "rng" / f"rank{rank}.pt"), training.device)
+        restore_rng(dcp_io.load_weights_only(path / "rng" / f"rank{rank}.pt"), training.device)
     else:
         log.warning("resuming %d-process checkpoint on %d processes: data order and batches carry over, "
                     "random number streams start from rank %d's", saved_world, world_size,
                     rank % saved_world)  # fmt: skip
-        restore_rng(_load(path / "rng" / f"rank{rank % saved_world}.pt"), training.device)
+        restore_rng(dcp_io.load_weights_only(path / "rng" / f"rank{rank % saved_world}.pt"), training.device)
     if partial_window:
-        restore_grads(training.module, _load(path / "grads" / f"rank{rank}.pt"))
+        restore_grads(training.module, dcp_io.load_weights_only(path / "grads" / f"rank{rank}.pt"))
     _barrier()
     client_state: dict[str, Any] = saved["client_state"]
     return path, client_state
@@ -246,7 +246,7 @@ def _choose(training: TrainingState, load_dir: str | Path, tag: str | None) -> t
     if dist.is_initialized():
         dist.broadcast_object_list(chosen, src=0)
     path = store.root / str(chosen[0])
-    saved = _load(path / "engine.pt")
+    saved = dcp_io.load_weights_only(path / "engine.pt")
     _check_format(training.backend, path, saved)
     return path, saved
 
@@ -360,20 +360,6 @@ def restore_rng(state: dict[str, Any], device: torch.device) -> None:
             log.warning("the checkpoint has no random state for GPU %s; its stream starts afresh", device)
         else:
             torch.cuda.set_rng_state(own, device)
-
-
-def _load(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing", fix="resume from another checkpoint") from None
-    except Exception as err:  # torch raises several types for unreadable or unsafe files
-        raise CheckpointError(
-            f"cannot read {path}",
-            first_line(err),
-            "the file is damaged or holds objects other than tensors and plain data; "
-            "resume from another checkpoint",
-        ) from None
 
 
 def _check_client_state(value: Any, where: str) -> None:

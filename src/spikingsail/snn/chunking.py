@@ -224,15 +224,10 @@ class _SavedBytes:
 
 def _batch_norms_over_time(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Batch norms whose batch statistics span the time steps of a call (not one norm per step)."""
-    from spikingjelly.activation_based.layer import bn as sj_bn
+    from spikingjelly.activation_based.layer.bn import _BatchNormThroughTimeBase  # one norm per step
 
-    through_time = tuple(
-        c for c in vars(sj_bn).values() if isinstance(c, type) and c.__name__ == "_BatchNormThroughTimeBase"
-    )
-    per_step: set[int] = set()
-    for module in model.modules():
-        if through_time and isinstance(module, through_time):
-            per_step.update(id(m) for m in module.modules())
+    per_step = {id(m) for module in model.modules() if isinstance(module, _BatchNormThroughTimeBase)
+                for m in module.modules()}  # fmt: skip
     return [
         (name, m)
         for name, m in model.named_modules()

@@ -10,6 +10,7 @@ from spikingsail.launchers import launcher_for, plan
 from spikingsail.launchers.failure import Failure
 from spikingsail.launchers.local import run_local
 from spikingsail.launchers.preflight import check_hosts
+from spikingsail.launchers.replicas import ReplicaPlan, free_port, plan_replica_groups, run_replica_groups
 from spikingsail.launchers.request import LaunchRequest, parse_request
 from spikingsail.launchers.supervisor import supervise
 
@@ -18,6 +19,8 @@ log = logging.getLogger(__name__)
 
 def run(argv: list[str]) -> int:
     request = parse_request(argv)
+    if request.ft_replicas:
+        return _run_replica_groups(request)
     commands = plan(request)
     if request.dry_run:
         for command in commands:
@@ -41,6 +44,24 @@ def run(argv: list[str]) -> int:
     if failure is not None:
         _report(failure)
     return status
+
+
+def _run_replica_groups(request: LaunchRequest) -> int:
+    heartbeat_ms = max(1, round(request.ft_heartbeat_timeout * 1000))
+    replicas = ReplicaPlan(
+        groups=request.ft_replicas,
+        heartbeat_timeout_ms=heartbeat_ms,
+        join_timeout_ms=max(10 * heartbeat_ms, 10_000),
+        lighthouse_port=free_port(),
+    )
+    commands = plan_replica_groups(request, replicas)
+    if request.dry_run:
+        for command in commands:
+            print(command.render())
+        return 0
+    log.info("launching %d replica groups of %s process(es) with torchft's lighthouse on port %d",
+             replicas.groups, request.nproc_per_node, replicas.lighthouse_port)  # fmt: skip
+    return run_replica_groups(commands)
 
 
 def _rendezvous(request: LaunchRequest, reached: list[str]) -> tuple[str, int] | None:

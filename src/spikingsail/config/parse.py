@@ -20,6 +20,7 @@ from spikingsail.checks import FLOAT32_MAX, INT64_MAX, Range, check_number, reje
 from spikingsail.config.schema import (
     BF16Config,
     CheckpointConfig,
+    FaultToleranceConfig,
     FP16Config,
     OptimizerConfig,
     SailConfig,
@@ -82,6 +83,7 @@ _SECTIONS: dict[str, tuple[type[Any], bool]] = {
     "sail": (SailSection, False),
     "checkpoint": (CheckpointConfig, False),  # DeepSpeed's keys in it are accepted; SpikingSail saves
     "snn": (SNNConfig, False),
+    "fault_tolerance": (FaultToleranceConfig, False),
 }
 _SCALARS: dict[str, type[Any]] = {
     "gradient_clipping": float,

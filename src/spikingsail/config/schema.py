@@ -164,6 +164,20 @@ class SNNConfig:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class FaultToleranceConfig:
+    """Live recovery across replica groups (torchft), in force under ``sail launch --ft-replicas``."""
+
+    min_replicas: int = ranged(1, Range(1, integer=True, fix="e.g. 1"))
+    """Replica groups that must take part for a step to commit (torchft's min_replica_size)."""
+    timeout_seconds: float = ranged(60.0, Range(0, FLOAT32_MAX, low_open=True, fix="e.g. 60"))
+    """A cross-group all-reduce, the commit vote and a healing transfer wait this long."""
+    quorum_timeout_seconds: float = ranged(60.0, Range(0, FLOAT32_MAX, low_open=True, fix="e.g. 60"))
+    connect_timeout_seconds: float = ranged(60.0, Range(0, FLOAT32_MAX, low_open=True, fix="e.g. 60"))
+    quorum_retries: int = ranged(3, Range(0, integer=True, fix="e.g. 3"))
+    """Quorum attempts that may fail (a lighthouse restarting) before the replica gives up."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class SailSection:
     backend: str = "ddp"
     """Which engine backend runs the job (see ``spikingsail.backends.available()``)."""
@@ -219,6 +233,7 @@ class SailConfig:
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     snn: SNNConfig = field(default_factory=SNNConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     sail: SailSection = field(default_factory=SailSection)
     backend_sections: Mapping[str, Any] = field(default_factory=dict)
     """Sections a backend owns (name → its validated dataclass), present in the file."""

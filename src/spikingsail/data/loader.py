@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from spikingsail.data.sampler import BalancedBatchSampler, ResumableShardSampler
+from spikingsail.data.sampler import BalancedBatchSampler, ReplicaBatchSampler, ResumableShardSampler
 from spikingsail.tensors import map_tensors
 
 
@@ -40,6 +40,7 @@ class ShardedLoader:
         on_batch: Callable[[], None] | None = None,
         device: torch.device | None = None,
         shares: Callable[[], Sequence[int]] | None = None,
+        replicated: ReplicaBatchSampler | None = None,
         **loader_kwargs: Any,
     ) -> None:
         """``on_batch`` runs before each batch is handed out (the engine resets spiking neurons there).
@@ -48,12 +49,15 @@ class ShardedLoader:
         loaders do; None leaves batches where the dataset made them. ``shares``: unequal per-rank
         micro-batches (``BalancedBatchSampler``), asked for the current split at every global
         micro-batch; ``batch_size`` is then unused and ``share`` tells each batch's part of its
-        global micro-batch."""
+        global micro-batch. ``replicated``: batches of replica groups (``ReplicaBatchSampler``),
+        whose epoch and position follow the engine's committed steps."""
         self.on_batch = on_batch
         self.device = device
         length = len(dataset)  # type: ignore[arg-type]
-        self.sampler: ResumableShardSampler | ExactShardSampler | BalancedBatchSampler
-        if shares is not None:
+        self.sampler: ResumableShardSampler | ExactShardSampler | BalancedBatchSampler | ReplicaBatchSampler
+        if replicated is not None:
+            self.sampler = replicated
+        elif shares is not None:
             self.sampler = BalancedBatchSampler(length, shares, rank=rank, world_size=world_size,
                                                 shuffle=shuffle, seed=seed, drop_last=drop_last)  # fmt: skip
         elif pad:
@@ -75,7 +79,7 @@ class ShardedLoader:
         self._generator = loader_kwargs.pop("generator", None) or torch.Generator()
         batching: dict[str, Any] = (
             {"batch_sampler": self.sampler}
-            if isinstance(self.sampler, BalancedBatchSampler)
+            if isinstance(self.sampler, BalancedBatchSampler | ReplicaBatchSampler)
             else {"batch_size": batch_size, "sampler": self.sampler, "drop_last": drop_last}
         )
         self.loader: DataLoader[Any] = DataLoader(
@@ -87,7 +91,7 @@ class ShardedLoader:
             generator=self._generator,
             **loader_kwargs,
         )
-        self.epoch = 0
+        self.epoch = replicated.epoch() if replicated is not None else 0
         self._active: object | None = None  # the pass under way
 
     def set_epoch(self, epoch: int) -> None:
@@ -96,6 +100,9 @@ class ShardedLoader:
         self.position = 0
 
     def __iter__(self) -> Iterator[Any]:
+        if isinstance(self.sampler, ReplicaBatchSampler):
+            yield from self._replicated(self.sampler)
+            return
         if self._active is not None:
             # The previous pass was left before its end (break): this one is the next epoch, with a
             # new shuffle, as with a DataLoader and set_epoch. Its state stayed where it was left
@@ -121,6 +128,18 @@ class ShardedLoader:
         if self._active is token:
             self._end_epoch()
 
+    def _replicated(self, sampler: ReplicaBatchSampler) -> Iterator[Any]:
+        """One epoch of replica-group batches: the epoch and the position are the engine's."""
+        self.epoch = sampler.epoch()
+        if self._own_generator:
+            self._generator.manual_seed(self.seed * 1_000_003 + self.epoch)
+        for batch in self.loader:
+            self.share = sampler.share
+            if self.on_batch is not None:
+                self.on_batch()
+            yield batch if self.device is None else map_tensors(batch, self._to_device)
+        self.epoch = sampler.epoch()
+
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.device, non_blocking=True)
 
@@ -130,11 +149,17 @@ class ShardedLoader:
         self.position = 0
 
     def state_dict(self) -> dict[str, int]:
+        if isinstance(self.sampler, ReplicaBatchSampler):
+            return {"epoch": self.sampler.epoch(), "position": 0}
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue at ``state``: the next pass starts there, even one begun before the load."""
+        """Continue at ``state``: the next pass starts there, even one begun before the load.
+        Replica-group batches follow the engine's committed steps instead, loaded with them."""
         self._active = None
+        if isinstance(self.sampler, ReplicaBatchSampler):
+            self.epoch = self.sampler.epoch()
+            return
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
 

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch.utils.data import Sampler
 
+from spikingsail.errors import SailError
+
 
 class ResumableShardSampler(Sampler[int]):
     def __init__(
@@ -142,3 +144,76 @@ class BalancedBatchSampler(Sampler[list[int]]):
         shares = self.shares()
         full, rest = divmod(max(self.order.total - self.start, 0), sum(shares))
         return full + int(not self.drop_last and rest >= len(shares))
+
+
+class ReplicaBatchSampler(Sampler[list[int]]):
+    """This rank's micro-batches when replica groups come and go.
+
+    An epoch's global order is DistributedSampler's permutation (``seed + epoch``), padded by
+    repeating its start to whole optimizer steps of ``step_samples`` (micro-batch × ranks of all
+    groups × accumulation). Micro-batch m of the epoch's step s is the block at
+    ``s × step_samples + m × micro_samples``, split among the ranks taking part (``split``). The
+    step is the engine's committed step count, read as each batch is asked for, so a step that
+    was not committed is served again and a healed group continues from its peer's position. A
+    DataLoader with workers would ask ahead; the engine refuses workers here.
+    """
+
+    def __init__(
+        self,
+        length: int,
+        *,
+        micro_samples: int,
+        accumulation: int,
+        split: Callable[[int], tuple[list[int], int | None]],
+        progress: Callable[[], tuple[int, int]],
+        shuffle: bool,
+        seed: int,
+    ) -> None:
+        self.length, self.micro_samples, self.accumulation = length, micro_samples, accumulation
+        self.step_samples = micro_samples * accumulation
+        self.steps_per_epoch = max(1, -(-length // self.step_samples))
+        self.split, self.progress = split, progress
+        self.shuffle, self.seed = shuffle, seed
+        self.share: tuple[int, int] | None = None
+
+    def epoch(self) -> int:
+        return self.progress()[0] // self.steps_per_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch follows the committed steps."""
+
+    def order(self, epoch: int) -> list[int]:
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + epoch)
+            indices = torch.randperm(self.length, generator=generator).tolist()
+        else:
+            indices = list(range(self.length))
+        total = self.steps_per_epoch * self.step_samples
+        return (indices * -(-total // self.length))[:total]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch = self.epoch()
+        order = self.order(epoch)
+        while True:
+            # the quorum first: a group that heals there continues at the step it healed to
+            shares, index = self.split(self.micro_samples)
+            steps, micro = self.progress()
+            if steps // self.steps_per_epoch != epoch:
+                if steps // self.steps_per_epoch > epoch + 1:
+                    raise SailError(
+                        f"this replica group healed from epoch {epoch} to epoch {steps // self.steps_per_epoch}",
+                        "the training script's epoch loop, counting from where this process started, would "
+                        "run epochs the job has already done",
+                        "nothing to do: the process stops so that its torchrun agent restarts it (keep "
+                        "--max-restarts above 0), and a restarted group starts at the job's epoch",
+                    )
+                return
+            start = (steps % self.steps_per_epoch) * self.step_samples + micro * self.micro_samples
+            offset = start + sum(shares[: index or 0])
+            count = shares[index or 0]
+            self.share = (count if index is not None else 0, self.micro_samples)
+            yield order[offset : offset + count]
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.accumulation

@@ -15,7 +15,7 @@ import random
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +34,11 @@ from spikingsail.checkpoint.lock import JobLock
 from spikingsail.config.parse import check_balance_weights
 from spikingsail.config.schema import SailConfig
 from spikingsail.data.loader import ShardedLoader
+from spikingsail.data.sampler import ReplicaBatchSampler
 from spikingsail.engine.balance import Balancer
 from spikingsail.engine.precision import Precision
 from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
+from spikingsail.engine.replicas import ReplicaEnv, ReplicaGroups, check_supported
 from spikingsail.engine.state import Entry, LoaderPositions, OptimizerHyperparameters, StepCounters
 from spikingsail.engine.stragglers import StragglerWatch
 from spikingsail.environments import RankInfo
@@ -126,6 +128,8 @@ class Engine:
         self._job_lock = self._lock_checkpoint_directory(config.checkpoint.path)
         self._closed = False
         atexit.register(self.close)
+        self._replica_loader: ShardedLoader | None = None
+        self.replicas = self._replica_groups()
         log.info("engine ready: rank %d of %d on %s", rank_info.rank, rank_info.world_size, self.device)
 
     # -- the training step -------------------------------------------------------------------
@@ -167,7 +171,9 @@ class Engine:
         self.heartbeat.enter(BACKWARD, collective=self.is_gradient_accumulation_boundary())
         self._window_losses.append(loss.detach() / accumulation if accumulation > 1 else loss.detach())
         start = self.stragglers.backward_begins() if self.stragglers is not None else None
-        if self.balancer is None:
+        if self.replicas is not None:
+            self.backend.backward(loss * self._replica_loss_weight())
+        elif self.balancer is None:
             self.backend.backward(loss)
         else:
             with self.balancer.timing_backward():
@@ -181,6 +187,9 @@ class Engine:
         """End a micro-step; on an accumulation boundary, update the weights."""
         boundary = self.is_gradient_accumulation_boundary()
         self.heartbeat.enter(OPTIMIZER, collective=boundary)
+        if boundary and self.replicas is not None and not self.replicas.reduce_and_vote(self._parameters()):
+            self._discard_step()
+            return
         start = self.stragglers.optimizer_begins() if self.stragglers is not None else None
         skipped = self.backend.step(self.optimizer, self.lr_scheduler, boundary=boundary)
         if self.stragglers is not None:
@@ -195,6 +204,72 @@ class Engine:
             if self._preemption.agreed(self.device):
                 self._save_and_exit_for_requeue()
         self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
+
+    def _parameters(self) -> Iterator[torch.nn.Parameter]:
+        return (p for group in self.optimizer.param_groups for p in group["params"])
+
+    def _discard_step(self) -> None:
+        """The replica groups did not commit this step: forget its gradients and take it again
+        (the engine's loader serves the same samples)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._window_losses = []
+        self.counters.micro_steps = self.counters.global_steps * self.config.gradient_accumulation_steps
+        log.warning("step %d not committed by the replica groups (a peer failed): taking it again",
+                    self.counters.global_steps + 1)  # fmt: skip
+        self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
+
+    def _replica_loss_weight(self) -> float:
+        """n × this rank's samples / the global micro-batch: DDP averages over the group's n ranks and
+        the groups' gradients are summed, so the step's gradient is the mean over the global batch."""
+        share = self._replica_loader.share if self._replica_loader is not None else None
+        if share is None:
+            raise ConfigError(
+                "the job runs as replica groups (sail launch --ft-replicas), but this loss does not "
+                "come from a batch of engine.dataloader(...)",
+                "while a group is missing the others take its share of every step, which only the "
+                "engine's loader knows",
+                "iterate engine.dataloader(dataset) for training",
+            )
+        return self.rank_info.world_size * share[0] / share[1]
+
+    def _replica_groups(self) -> ReplicaGroups | None:
+        """Under ``sail launch --ft-replicas``: this group's torchft manager (no quorum yet)."""
+        env = ReplicaEnv.from_env()
+        if env is None:
+            return None
+        check_supported(self.config, self.backend.name)
+        if self.config.checkpoint.path is None and self.rank_info.is_rank_zero:
+            log.warning("replica group %d has no checkpoint path: if it restarts while no other group is "
+                        "alive it starts from step 0 (pass --resume --checkpoints-path DIR)", env.group)  # fmt: skip
+        return ReplicaGroups(
+            self.config.fault_tolerance,
+            env,
+            self.rank_info,
+            self.device,
+            (self._live_state, self._load_live_state),
+        )
+
+    def join_replica_groups(self) -> None:
+        """Take the first quorum of a job of replica groups (``initialize`` does, after a resume and
+        before the script makes its loaders): a group behind the others heals here — torchft loads a
+        live group's state into it (``_load_live_state``) — and takes part in their step."""
+        if self.replicas is None:
+            return
+        self.replicas.begin_step()
+        if self.counters.global_steps:
+            log.info(
+                "replica group %d in the job at step %d", self.replicas.env.group, self.counters.global_steps
+            )
+
+    def _live_state(self) -> dict[str, Any]:
+        """What a healing replica group takes from this one."""
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "engine": self.state_dict()}  # fmt: skip
+
+    def _load_live_state(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_state_dict(state["engine"])
 
     def _loss_weight(self) -> float:
         """This rank's share of the global micro-batch, relative to an equal share (``sail.balance``)."""
@@ -449,6 +524,8 @@ class Engine:
         """
         # with sail.balance, a training loader hands each rank its share of every global micro-batch
         shares = self.balancer.shares if self.balancer is not None and pad and batch_size is None else None
+        training = pad and batch_size is None
+        replicated = self._replica_sampler(dataset, shuffle, seed, loader_kwargs) if training else None
         loader = ShardedLoader(
             dataset,
             batch_size=batch_size or self.config.train_micro_batch_size_per_gpu,
@@ -463,12 +540,39 @@ class Engine:
             on_batch=self.snn.on_batch if self.snn.manages_state or self.config.snn.check_state else None,
             device=self.device if self._move_inputs else None,
             shares=shares,
+            replicated=replicated,
             **loader_kwargs,
         )
         if shares is not None:
             self._balanced_loader = loader
+        if replicated is not None:
+            self._replica_loader = loader
         self.loaders.add(loader)
         return loader
+
+    def _replica_sampler(
+        self, dataset: Dataset[Any], shuffle: bool, seed: int | None, loader_kwargs: dict[str, Any]
+    ) -> ReplicaBatchSampler | None:
+        if self.replicas is None:
+            return None
+        if loader_kwargs.get("num_workers", 0):
+            raise ConfigError(
+                f"engine.dataloader(num_workers={loader_kwargs['num_workers']}) in a job of replica groups "
+                "(sail launch --ft-replicas)",
+                "each batch follows the step's quorum and whether the last step committed; "
+                "worker processes would take batches ahead of both",
+                "leave num_workers at 0 for the training loader (an evaluation loader, pad=False, may use workers)",
+            )
+        accumulation = self.config.gradient_accumulation_steps
+        return ReplicaBatchSampler(
+            len(dataset),  # type: ignore[arg-type]
+            micro_samples=self.config.train_micro_batch_size_per_gpu * self.config.world_size,
+            accumulation=accumulation,
+            split=self.replicas.split,
+            progress=lambda: (self.counters.global_steps, self.counters.micro_steps % accumulation),
+            shuffle=shuffle,
+            seed=seed if seed is not None else (self.config.sail.seed or 0),
+        )
 
     def save_checkpoint(
         self,
@@ -656,6 +760,7 @@ class Engine:
         parts["precision"] = Entry("precision", self.precision)
         parts["loaders"] = self.loaders
         parts["balance"] = Entry("balance", self.balancer)
+        parts["fault_tolerance"] = Entry("fault_tolerance", self.replicas)
         return parts
 
     def state_dict(self) -> dict[str, Any]:
@@ -722,6 +827,8 @@ class Engine:
             if self._job_lock is not None:
                 self._job_lock.release()
             self._destroy_checkpoint_group()
+            if self.replicas is not None:
+                self.replicas.shutdown()
             self.backend.teardown()
 
     def _destroy_checkpoint_group(self) -> None:

@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from spikingsail.backends import Backend, available, backend_class, load_config, sharding_backends
 from spikingsail.checkpoint.store import CheckpointStore
 from spikingsail.config.schema import SailConfig, summary
 from spikingsail.engine.engine import Engine, LRScheduler
+from spikingsail.engine.replicas import ReplicaEnv, group_checkpoints, newest_group_checkpoints
 from spikingsail.environments import RankInfo, discover_rank_info
 from spikingsail.errors import ConfigError
 from spikingsail.monitor.logs import ensure_logging, report_sail_errors
@@ -132,9 +134,17 @@ def initialize(
     rank_info = rank_info or discover_rank_info(local_rank_arg=local_rank)
     ensure_logging(rank_info.rank)
     _python_stacks_on_crash()
-    sail_config = load_config(config, rank_info.world_size)
+    replicas = ReplicaEnv.from_env()
+    # with replica groups (sail launch --ft-replicas) the batch sizes count the ranks of all groups
+    sail_config = load_config(config, rank_info.world_size * (replicas.groups if replicas else 1))
     if checkpoints_path:
         checkpoint = dataclasses.replace(sail_config.checkpoint, path=checkpoints_path)
+        sail_config = dataclasses.replace(sail_config, checkpoint=checkpoint)
+    checkpoint_root = sail_config.checkpoint.path
+    if replicas is not None and checkpoint_root:
+        checkpoint = dataclasses.replace(
+            sail_config.checkpoint, path=str(group_checkpoints(checkpoint_root, replicas.group))
+        )
         sail_config = dataclasses.replace(sail_config, checkpoint=checkpoint)
     if (resume or resume_from) and not sail_config.checkpoint.path:
         raise ConfigError(
@@ -156,12 +166,19 @@ def initialize(
         lr_scheduler=lr_scheduler,
     )
     path = sail_config.checkpoint.path
+    if replicas is not None and resume and not resume_from:
+        # the furthest of every group's checkpoints (rank 0's choice: a peer may be saving meanwhile)
+        chosen = [str(newest_group_checkpoints(str(checkpoint_root)) or path)]
+        if dist.is_initialized():
+            dist.broadcast_object_list(chosen, src=0)
+        path = chosen[0]
     if resume_from:
         engine.load_checkpoint(str(path), resume_from)
     elif resume and CheckpointStore(str(path)).has_checkpoints():
         engine.load_checkpoint(str(path))
     elif resume:
         log.info("no checkpoint in %s yet: starting from the beginning", path)
+    engine.join_replica_groups()
     return engine, engine.optimizer
 
 

@@ -43,6 +43,7 @@ _OWN_FLAGS = {
     "-n": 1, "--dry-run": 0, "-H": 1, "--hostfile": 1, "-np": 1, "--include": 1, "--exclude": 1,
     "--num-nodes": 1, "--num-gpus": 1, "--launcher": 1, "--ssh-port": 1, "--ssh-user": 1, "--ssh-config": 1,
     "--connect-timeout": 1, "--heartbeat-timeout": 1, "--env": 1, "--launcher-args": 1, "--dist-init-method": 1,
+    "--ft-replicas": 1, "--ft-heartbeat-timeout": 1,
 }  # fmt: skip
 LAUNCHER_NAMES = tuple(LAUNCHERS)
 _DIST_INIT_METHODS = tuple(
@@ -105,6 +106,23 @@ def parser() -> argparse.ArgumentParser:
         choices=_DIST_INIT_METHODS,
         help="under SLURM: one torchrun agent per node (torchrun) or one srun task per process (slurm)",
     )
+    own.add_argument(
+        "--ft-replicas",
+        dest="ft_replicas",
+        type=int,
+        default=0,
+        metavar="R",
+        help="run R replica groups of -n processes, each under its own torchrun agent, with torchft's "
+        "lighthouse: a group that dies is restarted and heals from a live one while the others train on",
+    )
+    own.add_argument(
+        "--ft-heartbeat-timeout",
+        dest="ft_heartbeat_timeout",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="with --ft-replicas: a group silent this long leaves the quorum (default 1)",
+    )
     return p
 
 
@@ -153,7 +171,25 @@ def parse_request(argv: list[str]) -> LaunchRequest:
         runs_module=torchrun.module,
         no_python=torchrun.no_python,
         dry_run=ns.dry_run,
+        ft_replicas=_ft_replicas(ns.ft_replicas),
+        ft_heartbeat_timeout=_positive("--ft-heartbeat-timeout", ns.ft_heartbeat_timeout),
     )
+
+
+def _ft_replicas(groups: int) -> int:
+    if groups == 1 or groups < 0:
+        raise LaunchError(
+            f"--ft-replicas {groups}",
+            "replica groups recover from each other: one group has nobody to heal from",
+            "give 2 or more, or leave --ft-replicas out",
+        )
+    return groups
+
+
+def _positive(flag: str, seconds: float) -> float:
+    if not seconds > 0:
+        raise LaunchError(f"{flag} {seconds}", "it is a time in seconds", "give a positive number, e.g. 1")
+    return seconds
 
 
 def _heartbeat_timeout(seconds: int) -> int:

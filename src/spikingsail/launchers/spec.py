@@ -65,6 +65,9 @@ class LaunchRequest:
     no_python: bool = False
     """``--no-python``: the script is a program, started without Python (torchrun's flag)."""
     dry_run: bool = False
+    ft_replicas: int = 0
+    """``--ft-replicas``: replica groups recovering from each other through torchft (0: off)."""
+    ft_heartbeat_timeout: float = 1.0
 
 
 def require_first_slots(request: LaunchRequest, launcher: str) -> None:

@@ -1,0 +1,249 @@
+"""Live recovery across replica groups with torchft (``sail launch --ft-replicas R``).
+
+The job is R replica groups of n processes each, every group under its own torchrun agent; within
+a group the backend (DDP) all-reduces gradients as always, and across groups torchft's ``Manager``
+does, with a quorum taken at the start of every optimizer step. When a group dies the others keep
+stepping; when it comes back it heals from a live peer's memory instead of reloading a checkpoint.
+
+What SpikingSail adds to torchft, so that a fault changes nothing in the training:
+
+- **The samples of every step are those of the fault-free run.** A step's global batch (micro-batch ×
+  n × R per micro-step) is split among the ranks of the groups *taking part in that step*, so while a
+  group is missing the others take its share; each rank's loss is weighted by its share, and the
+  groups' gradients are summed, so the step's gradient is the mean over the same global batch.
+  A step that fails (a peer died during the all-reduce) is not committed and is taken again with
+  the same samples. Positions are derived from the committed step count: a healed group continues
+  from the peer's.
+- **A step is committed only when torchft's vote says so**: the optimizer, the scheduler, the
+  counters and the data position advance only then.
+- **A group that joins a running job heals at ``initialize``**: it takes its first quorum there
+  (torchft, with a synchronous quorum, loads a live group's model, optimizer and engine state into
+  it), so it leaves ``initialize`` at the others' step with their weights, and the loaders the
+  script makes next continue at the job's epoch and position; it takes part in that very step.
+  A group that is part of the quorum but not taking part in a step (torchft's spares) trains on a
+  share nobody counts: the manager sends zeros for it.
+
+torchft's ``DistributedDataParallel`` wrapper is not used: its comm hook asserts on a failed
+all-reduce (``torchft/ddp.py``) and crashes the survivor. The engine all-reduces the gradients
+through the manager after the group's own DDP all-reduce and reads each work's result instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+from spikingsail.config.schema import FaultToleranceConfig, SailConfig
+from spikingsail.data.sampler import split_batch
+from spikingsail.environments import RankInfo
+from spikingsail.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ENV_GROUP = "REPLICA_GROUP_ID"
+ENV_GROUPS = "NUM_REPLICA_GROUPS"
+ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaEnv:
+    """Where this process is among the replica groups, as ``sail launch --ft-replicas`` says."""
+
+    group: int
+    groups: int
+    lighthouse: str
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ReplicaEnv | None:
+        env = os.environ if env is None else env
+        if ENV_GROUPS not in env:
+            return None
+        try:
+            group, groups = int(env[ENV_GROUP]), int(env[ENV_GROUPS])
+        except (KeyError, ValueError):
+            raise ConfigError(
+                f"{ENV_GROUPS}={env.get(ENV_GROUPS)!r} but {ENV_GROUP}={env.get(ENV_GROUP)!r}",
+                "a replica group needs its number and the number of groups, both integers",
+                "start the job with sail launch --ft-replicas R",
+            ) from None
+        if not 0 <= group < groups or ENV_LIGHTHOUSE not in env:
+            raise ConfigError(
+                f"replica group {group} of {groups}, lighthouse {env.get(ENV_LIGHTHOUSE)!r}",
+                "the group must be one of 0..R-1 and the lighthouse's address must be set",
+                "start the job with sail launch --ft-replicas R",
+            )
+        return cls(group, groups, env[ENV_LIGHTHOUSE])
+
+
+def group_checkpoints(root: str | Path, group: int) -> Path:
+    """Each replica group saves under a directory of its own: the groups save at the same steps,
+    and a directory is one job's (``checkpoint/lock.py``)."""
+    return Path(root) / f"replica-{group}"
+
+
+def newest_group_checkpoints(root: str | Path) -> Path | None:
+    """The replica group directory under ``root`` whose latest checkpoint is furthest on: a group
+    that starts when no other group is alive continues from there."""
+    from spikingsail.checkpoint.store import CheckpointStore
+
+    best: tuple[int, Path] | None = None
+    for directory in sorted(Path(root).glob("replica-*")):
+        store = CheckpointStore(directory)
+        latest = store.latest()
+        if latest is None:
+            continue
+        try:
+            steps = int(store.metadata(latest)["global_steps"])
+        except (OSError, ValueError, KeyError):
+            steps = -1  # a damaged latest: the load falls back to the directory's older tags
+        if best is None or steps > best[0]:
+            best = (steps, directory)
+    return best[1] if best else None
+
+
+def check_supported(config: SailConfig, backend: str) -> None:
+    """Refuse, before anything starts, what live recovery cannot yet keep exact."""
+    where = config.source
+    refusals = [
+        (backend != "ddp", f"sail.backend is {backend!r}",
+         "only the ddp backend all-reduces across replica groups through torchft so far",
+         'use "sail": {"backend": "ddp"}, or launch without --ft-replicas'),
+        (config.fp16.enabled, "fp16 is enabled",
+         "a loss scaler that skips a step on one group and not another would let the groups diverge",
+         "use bf16 or fp32 with --ft-replicas"),
+        (config.zero_optimization.stage != 0, f"zero_optimization.stage is {config.zero_optimization.stage}",
+         "a healing group takes a peer's whole optimizer state; a sharded one is not whole",
+         "use stage 0 with --ft-replicas"),
+        (config.sail.balance != "off", "sail.balance is set",
+         "with --ft-replicas the shares of a step follow the groups taking part in it",
+         "turn sail.balance off"),
+    ]  # fmt: skip
+    for refused, what, why, fix in refusals:
+        if refused:
+            raise ConfigError(
+                f"{where}: {what}, and the job runs as replica groups (--ft-replicas)", why, fix
+            )
+
+
+class ReplicaGroups:
+    """This process's torchft ``Manager`` and the step protocol around it."""
+
+    def __init__(
+        self,
+        config: FaultToleranceConfig,
+        env: ReplicaEnv,
+        rank_info: RankInfo,
+        device: torch.device,
+        state: tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]],
+    ) -> None:
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
+
+        self.env = env
+        self.group_size = rank_info.world_size
+        self.group_rank = rank_info.rank
+        timeout = timedelta(seconds=config.timeout_seconds)
+        pg = (
+            ProcessGroupBabyNCCL(timeout=timeout)
+            if device.type == "cuda"
+            else ProcessGroupGloo(timeout=timeout)
+        )
+        _forget_previous_manager(rank_info)
+        get_state, load_state = state
+        self.manager = Manager(
+            pg=pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=config.min_replicas,
+            use_async_quorum=False,  # a healing group loads the peer's state inside start_quorum
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=config.quorum_timeout_seconds),
+            connect_timeout=timedelta(seconds=config.connect_timeout_seconds),
+            rank=rank_info.rank,
+            world_size=rank_info.world_size,
+            lighthouse_addr=env.lighthouse,
+            replica_id=f"sail_{env.group}",
+            hostname=os.environ.get("SAIL_FT_HOSTNAME", "127.0.0.1"),
+            quorum_retries=config.quorum_retries,
+        )
+        self.manager.register_state_dict_fn("sail", load_state, get_state)
+        self._in_step = False
+        self.discarded = 0
+
+    # -- a step --------------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Take the step's quorum (once per optimizer step); a group behind the others heals here."""
+        if not self._in_step:
+            self.manager.start_quorum()
+            self._in_step = True
+
+    def split(self, samples: int) -> tuple[list[int], int | None]:
+        """The shares of ``samples`` among the ranks of the groups taking part in this step, and this
+        rank's index among them (None when its group is healing and takes part with no samples)."""
+        self.begin_step()
+        groups = self.manager.num_participants()
+        shares = split_batch(samples, [1.0] * (groups * self.group_size))
+        participating = self.manager.participating_rank()
+        index = None if participating is None else participating * self.group_size + self.group_rank
+        return shares, index
+
+    def reduce_and_vote(self, parameters: Iterator[torch.nn.Parameter]) -> bool:
+        """Sum every gradient over the groups (a missing one counts as zero), then vote: True when
+        the step commits everywhere."""
+        self.begin_step()
+        works = []
+        for parameter in parameters:
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+            works.append(self.manager.allreduce(parameter.grad, reduce_op=_sum()))
+        for work in works:
+            work.wait()  # a failed one reports its error to the manager, which then votes no
+        committed = bool(self.manager.should_commit())
+        self._in_step = False
+        if not committed:
+            self.discarded += 1
+        return committed
+
+    def state_dict(self) -> dict[str, Any]:
+        """torchft's own counters (committed steps and batches), kept in the engine's checkpoints."""
+        return dict(self.manager.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.manager.load_state_dict(state)
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _forget_previous_manager(rank_info: RankInfo) -> None:
+    """Rank 0's manager publishes its address in the group's store, where the other ranks read it.
+    After torchrun restarts a group's workers the store still holds the address of the manager
+    that died with them, and a rank that read it would wait for a quorum that never comes: rank 0
+    removes it, and nobody reads before it is gone."""
+    if rank_info.world_size == 1 or not dist.is_initialized():
+        return
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+    if rank_info.rank == 0:
+        store = TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False
+        )
+        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+            store.delete_key(key)
+    dist.barrier()
+
+
+def _sum() -> Any:
+    from torch.distributed import ReduceOp
+
+    return ReduceOp.SUM

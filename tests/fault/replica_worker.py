@@ -1,0 +1,111 @@
+"""A training script for the replica-group tests: a small regression model on a fixed data set.
+
+    python replica_worker.py OUT EPOCHS [--kill-group G --kill-step S --kill-in between|allreduce]
+    python replica_worker.py OUT EPOCHS --reference R   (one process, the global batch of R ranks)
+    python replica_worker.py OUT EPOCHS --checkpoints DIR [--resume]   (saves every 6 steps)
+
+Writes OUT/final-GROUP.pt (the parameters at the end) and OUT/ledger-GROUP-PID.jsonl (step, sample
+ids of each committed batch). With --kill-*, group G's process SIGKILLs itself the first time it
+reaches step S (a marker file keeps the restarted one alive): between two steps, or after the first
+of its gradient all-reduces across the groups was sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import spikingsail
+from spikingsail.environments import RankInfo
+
+MICRO, SAMPLES = 4, 96
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("epochs", type=int)
+    parser.add_argument("--kill-group", type=int, default=-1)
+    parser.add_argument("--kill-step", type=int, default=-1)
+    parser.add_argument("--kill-in", choices=["between", "allreduce"], default="between")
+    parser.add_argument(
+        "--reference",
+        type=int,
+        default=0,
+        metavar="RANKS",
+        help="one process taking the micro-batches of RANKS ranks at once",
+    )
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds added to every step")
+    parser.add_argument("--checkpoints", help="save every 6 steps here; with --resume, continue from there")
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
+    groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": MICRO * (args.reference or 1),
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "sail": {"seed": 1, "progress_bar": False, "hang_timeout_seconds": 0, "straggler_window": 0},
+        "fault_tolerance": {"timeout_seconds": 3, "quorum_timeout_seconds": 60},
+        "checkpoint": {"interval_steps": 6},
+    }
+    engine, _ = spikingsail.initialize(
+        model=model, config=config, rank_info=RankInfo.single() if args.reference else None,
+        checkpoints_path=args.checkpoints, resume=args.resume,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.arange(SAMPLES, dtype=torch.float32).unsqueeze(1)
+    data = TensorDataset(
+        torch.randn(SAMPLES, 8, generator=generator), torch.randn(SAMPLES, 1, generator=generator), ids
+    )
+    loader = engine.dataloader(data)
+    marker = args.out / f"killed-{group}"
+    ledger = (args.out / f"ledger-{group}-{os.getpid()}.jsonl").open("a")
+    for _epoch in range(loader.epoch, args.epochs):
+        for x, y, sample_ids in loader:
+            step = engine.global_steps
+            if group == args.kill_group and step == args.kill_step and not marker.exists():
+                marker.touch()
+                if args.kill_in == "between":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                kill_after_first_all_reduce(engine)
+            loss = F.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            time.sleep(args.step_sleep)
+            if engine.global_steps > step:  # committed
+                digest = sum(float(p.double().sum()) for p in model.parameters())
+                entry = {"step": step, "ids": sample_ids.flatten().int().tolist(), "digest": digest}
+                ledger.write(json.dumps(entry) + "\n")
+                ledger.flush()
+    if engine.rank == 0:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out / f"final-{group}.pt")
+        (args.out / f"steps-{group}").write_text(f"{engine.global_steps} {groups}")
+    engine.close()
+
+
+def kill_after_first_all_reduce(engine: Any) -> None:
+    manager = engine.replicas.manager
+    original = manager.allreduce
+
+    def allreduce(*args: Any, **kwargs: Any) -> Any:
+        work = original(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return work
+
+    manager.allreduce = allreduce
+
+
+if __name__ == "__main__":
+    main()

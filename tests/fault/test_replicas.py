@@ -1,0 +1,300 @@
+"""Replica groups under ``sail launch --ft-replicas``: real torchft lighthouse, real torchrun agents,
+real SIGKILL / SIGSTOP; every run is compared with one process training on the whole global batch."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from spikingsail.errors import ConfigError, LaunchError
+from spikingsail.launchers.replicas import ReplicaPlan, plan_replica_groups
+from spikingsail.launchers.request import parse_request
+
+pytestmark = pytest.mark.multiprocess
+
+WORKER = Path(__file__).with_name("replica_worker.py")
+SAIL = [sys.executable, "-m", "spikingsail.cli.main", "launch"]
+EPOCHS, STEPS_PER_EPOCH, SAMPLES = 3, 12, 96
+
+
+def launch(out: Path, *worker_args: str, groups: int = 2, nproc: int = 1, wait: bool = True,
+           epochs: int = EPOCHS) -> subprocess.Popen[str]:  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    command = [*SAIL, "--ft-replicas", str(groups), "-n", str(nproc), "--max-restarts", "3",
+               str(WORKER), str(out), str(epochs), "--step-sleep", "0.25", *worker_args]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if wait:
+        output, _ = process.communicate(timeout=240)
+        assert process.returncode == 0, output[-4000:]
+        (out / "output.txt").write_text(output)
+    return process
+
+
+def reference(tmp_path: Path, ranks: int = 2) -> dict[str, torch.Tensor]:
+    """One process taking the micro-batches of all ``ranks`` at once."""
+    out = tmp_path / "reference"
+    out.mkdir()
+    subprocess.run([sys.executable, str(WORKER), str(out), str(EPOCHS), "--reference", str(ranks)], check=True,
+                   capture_output=True, timeout=120)  # fmt: skip
+    return torch.load(out / "final-0.pt")
+
+
+def finals(out: Path, groups: int = 2) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(out / f"final-{g}.pt") for g in range(groups)]
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], exact: bool = False) -> None:
+    assert list(got) == list(want)
+    for key, value in want.items():
+        if exact:
+            assert torch.equal(got[key], value), key
+        else:  # the groups' gradients are summed in another order than one process's mean
+            torch.testing.assert_close(
+                got[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}"
+            )
+
+
+def ledger(out: Path) -> list[dict[str, Any]]:
+    """Every committed step of every group, rank and restart: its sample ids and a digest of the
+    parameters after it."""
+    return [json.loads(line) for path in out.glob("ledger-*.jsonl") for line in path.read_text().splitlines()]
+
+
+def committed_samples(out: Path) -> dict[int, list[int]]:
+    steps: dict[int, list[int]] = collections.defaultdict(list)
+    for entry in ledger(out):
+        steps[entry["step"]] += entry["ids"]
+    return steps
+
+
+def assert_groups_agree_after_every_step(out: Path) -> None:
+    """Not only at the end: after every committed step every process that took it holds the same
+    parameters (a group that trained apart, e.g. restarted alone from step 0, would differ)."""
+    digests: dict[int, set[float]] = collections.defaultdict(set)
+    for entry in ledger(out):
+        digests[entry["step"]].add(entry["digest"])
+    assert {step: d for step, d in digests.items() if len(d) > 1} == {}
+
+
+def assert_every_sample_once_per_epoch(out: Path, per_epoch: int = STEPS_PER_EPOCH) -> None:
+    steps = committed_samples(out)
+    assert sorted(steps) == list(range(EPOCHS * per_epoch))
+    for epoch in range(EPOCHS):
+        ids = [i for s in range(epoch * per_epoch, (epoch + 1) * per_epoch) for i in steps[s]]
+        assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}"
+
+
+@pytest.mark.parametrize("kill_in", ["allreduce", "between"])
+def test_a_killed_group_heals_from_the_other_and_the_run_equals_the_fault_free_one(
+    tmp_path: Path, kill_in: str
+) -> None:
+    out = tmp_path / "run"
+    launch(out, "--kill-group", "1", "--kill-step", "10", "--kill-in", kill_in)
+    output = (out / "output.txt").read_text()
+    assert (out / "killed-1").exists()
+    assert len(list(out.glob("ledger-1-*.jsonl"))) == 2  # the killed process and its replacement
+    assert "replica group 1 in the job at step" in output  # healed from group 0, not from step 0
+    if kill_in == "allreduce":
+        assert "not committed by the replica groups" in output  # the survivor took the step again
+    first, second = finals(out)
+    assert_same(first, second, exact=True)
+    assert_same(first, reference(tmp_path))
+    assert_every_sample_once_per_epoch(out)
+    assert_groups_agree_after_every_step(out)
+    assert all((out / f"steps-{g}").read_text().split()[0] == str(EPOCHS * STEPS_PER_EPOCH) for g in (0, 1))
+
+
+def test_groups_of_two_ranks_each_weight_their_shares_and_heal(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    launch(out, "--kill-group", "0", "--kill-step", "2", nproc=2)
+    assert "replica group 0 in the job at step" in (out / "output.txt").read_text()
+    assert_groups_agree_after_every_step(out)
+    first, second = finals(out)
+    assert_same(first, second, exact=True)
+    assert_same(first, reference(tmp_path, ranks=4))
+    assert_every_sample_once_per_epoch(out, per_epoch=SAMPLES // 16)
+
+
+def test_a_stopped_group_is_left_out_and_rejoins_when_it_continues(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    job = launch(out, wait=False)
+    worker = _wait_for_worker(out, group=1)
+    os.kill(worker, signal.SIGSTOP)
+    time.sleep(6)  # past the worker's 3 s fault_tolerance.timeout_seconds: group 0 leaves it out
+    os.kill(worker, signal.SIGCONT)
+    output, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, output[-4000:]
+    alone = [
+        step for step, ids in committed_samples(out).items() if len(ids) == 8 and _groups_at(out, step) == {0}
+    ]
+    assert alone, "group 0 committed no step while group 1 was stopped"
+    assert_groups_agree_after_every_step(out)
+    first, second = finals(out)
+    assert_same(first, second, exact=True)
+    assert_same(first, reference(tmp_path))
+    assert_every_sample_once_per_epoch(out)
+
+
+def test_the_lighthouse_killed_mid_run_is_started_again_and_training_goes_on(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    job = launch(out, wait=False)
+    _wait_for_worker(out, group=0)
+    lighthouse = _child_with(job.pid, "torchft_lighthouse")
+    os.kill(lighthouse, signal.SIGKILL)
+    output, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, output[-4000:]
+    assert "torchft's lighthouse ended" in output
+    assert_groups_agree_after_every_step(out)
+    first, second = finals(out)
+    assert_same(first, second, exact=True)
+    assert_same(first, reference(tmp_path))
+    assert_every_sample_once_per_epoch(out)
+
+
+def test_a_group_alone_continues_from_the_furthest_checkpoint_of_any_group(tmp_path: Path) -> None:
+    """A group that starts when no other is alive (its peer finished or died) resumes the newest
+    checkpoint any group wrote, not step 0, and trains on with the whole global batch."""
+    first_run, checkpoints = tmp_path / "first", tmp_path / "ckpt"
+    launch(first_run, "--checkpoints", str(checkpoints), epochs=2)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["replica-0", "replica-1"]
+    # group 1's own directory is lost: it must take group 0's
+    for path in sorted((checkpoints / "replica-1").rglob("*"), reverse=True):
+        path.unlink() if path.is_file() else path.rmdir()
+    out = tmp_path / "alone"
+    out.mkdir()
+    lighthouse, address = _lighthouse()
+    try:
+        env = {
+            **os.environ,
+            "REPLICA_GROUP_ID": "1",
+            "NUM_REPLICA_GROUPS": "2",
+            "TORCHFT_LIGHTHOUSE": address,
+        }
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(WORKER),
+             str(out), str(EPOCHS), "--checkpoints", str(checkpoints), "--resume"],
+            env=env, capture_output=True, text=True, timeout=240, check=False,
+        )  # fmt: skip
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"resumed from {checkpoints / 'replica-0'}" in done.stderr
+    assert "at step 24" in done.stderr
+    steps = committed_samples(out)
+    assert sorted(steps) == list(range(24, EPOCHS * STEPS_PER_EPOCH))  # only the last epoch, alone
+    assert_same(torch.load(out / "final-1.pt"), reference(tmp_path))
+
+
+def test_launch_plans_the_lighthouse_and_one_agent_per_group(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.touch()
+    request = parse_request(
+        ["--ft-replicas", "3", "-n", "2", "--max-restarts", "2", str(script), "--lr", "1"]
+    )
+    plan = ReplicaPlan(groups=3, heartbeat_timeout_ms=1000, join_timeout_ms=10000, lighthouse_port=29999)
+    lighthouse, *groups = plan_replica_groups(request, plan)
+    assert Path(lighthouse.argv[0]).name == "torchft_lighthouse"
+    assert lighthouse.argv[lighthouse.argv.index("--bind") + 1] == "127.0.0.1:29999"
+    assert [c.env["REPLICA_GROUP_ID"] for c in groups] == ["0", "1", "2"]
+    for command in groups:
+        assert command.env["NUM_REPLICA_GROUPS"] == "3"
+        assert command.env["TORCHFT_LIGHTHOUSE"] == "http://127.0.0.1:29999"
+        assert command.argv[1:3] == ["-m", "torch.distributed.run"]
+        assert {"--standalone", "--max-restarts"} <= set(command.argv)
+        assert command.argv[-3:] == [str(script), "--lr", "1"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--ft-replicas", "1"], "one group has nobody to heal from"),
+     (["--ft-replicas", "2", "-H", "a:1,b:1"], "replica groups start on this machine so far"),
+     (["--ft-replicas", "2", "--ft-heartbeat-timeout", "0"], "a time in seconds")],
+)  # fmt: skip
+def test_launch_refuses_what_it_cannot_do(tmp_path: Path, argv: list[str], message: str) -> None:
+    script = tmp_path / "train.py"
+    script.touch()
+
+    def plan() -> None:
+        plan_replica_groups(parse_request([*argv, str(script)]), ReplicaPlan(2, 1000, 10000, 29999))
+
+    with pytest.raises(LaunchError, match=message):
+        plan()
+
+
+def _groups_at(out: Path, step: int) -> set[int]:
+    return {int(path.name.split("-")[1]) for path in out.glob("ledger-*.jsonl")
+            if any(json.loads(line)["step"] == step for line in path.read_text().splitlines())}  # fmt: skip
+
+
+def _wait_for_worker(out: Path, group: int) -> int:
+    """The pid of a group's worker once it has committed a few steps."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for ledger in out.glob(f"ledger-{group}-*.jsonl"):
+            if len(ledger.read_text().splitlines()) >= 4:
+                return int(ledger.stem.rsplit("-", 1)[1])
+        time.sleep(0.1)
+    raise AssertionError(f"group {group} committed no steps in 120 s")
+
+
+def _child_with(pid: int, needle: str) -> int:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and needle in cmdline:
+                return int(entry.name)
+    raise AssertionError(f"no child of {pid} runs {needle}")
+
+
+def _lighthouse() -> tuple[subprocess.Popen[bytes], str]:
+    from spikingsail.launchers.replicas import free_port, lighthouse_argv
+
+    port = free_port()
+    argv = lighthouse_argv(
+        ReplicaPlan(groups=2, heartbeat_timeout_ms=1000, join_timeout_ms=2000, lighthouse_port=port)
+    )
+    return subprocess.Popen(argv, env={**os.environ, "RUST_LOG": "warn"}), f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize(
+    ("config", "backend", "message"),
+    [({}, "fsdp", "only the ddp backend"),
+     ({"fp16": {"enabled": True}}, "ddp", "loss scaler that skips a step"),
+     ({"zero_optimization": {"stage": 1}}, "ddp", "sharded one is not whole"),
+     ({"sail": {"balance": [1, 1]}}, "ddp", "follow the groups taking part")],
+)  # fmt: skip
+def test_what_replica_groups_cannot_keep_exact_is_refused(
+    config: dict[str, Any], backend: str, message: str
+) -> None:
+    from spikingsail.config.parse import load_config
+    from spikingsail.engine.replicas import check_supported
+
+    with pytest.raises(ConfigError, match=message):
+        check_supported(load_config({"train_micro_batch_size_per_gpu": 1, **config}, 2), backend)
+
+
+def test_the_replica_environment_is_read_and_checked() -> None:
+    from spikingsail.engine.replicas import ReplicaEnv
+
+    assert ReplicaEnv.from_env({}) is None
+    env = {"REPLICA_GROUP_ID": "1", "NUM_REPLICA_GROUPS": "3", "TORCHFT_LIGHTHOUSE": "http://h:1"}
+    assert ReplicaEnv.from_env(env) == ReplicaEnv(1, 3, "http://h:1")
+    with pytest.raises(ConfigError, match="replica group 3 of 3"):
+        ReplicaEnv.from_env({**env, "REPLICA_GROUP_ID": "3"})
+    with pytest.raises(ConfigError, match="both integers"):
+        ReplicaEnv.from_env({**env, "REPLICA_GROUP_ID": "x"})

@@ -9,7 +9,9 @@ config's ``snn.time_chunk``) are built, the peak counter is reset, and one train
 mark during that step minus its resident set before it** (Linux ``VmHWM`` after resetting it through
 ``/proc/self/clear_refs``), with glibc's mmap threshold fixed at 64 KiB so that freed tensors leave
 the resident set; on a CUDA device it is ``torch.cuda.max_memory_allocated`` over the step instead.
-The step time is the median of the next ``--steps`` steps. Prints, for each model and T, the peak
+The step time is measured in another fresh process with the allocator as a user runs it (the 64 KiB
+threshold maps and unmaps every tensor, which slows a recomputing step far more than a whole one):
+one warm-up step, then the median of ``--steps`` steps. Prints, for each model and T, the peak
 and time whole and in chunks, and the ratios the target is stated in: chunked peak at T over chunked
 peak at T=4, and chunked time over whole time. Then runs ``time_chunk: "auto"`` with a budget and
 prints the chunk it chose.
@@ -58,7 +60,7 @@ def build(model: str, time_steps: int) -> Any:
 
 
 def measure(
-    model: str, time_steps: int, chunk: int | str, steps: int, budget: float | None
+    model: str, time_steps: int, chunk: int | str, steps: int, budget: float | None, memory: bool, batch: int
 ) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
@@ -76,13 +78,13 @@ def measure(
         snn["memory_budget_mb"] = budget
     engine, _ = spikingsail.initialize(
         model=net, rank_info=RankInfo.single(),
-        config={"train_micro_batch_size_per_gpu": BATCH[model], "snn": snn,
+        config={"train_micro_batch_size_per_gpu": batch, "snn": snn,
                 "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
                 "sail": {"progress_bar": False, "hang_timeout_seconds": 0, "straggler_window": 0}},
     )  # fmt: skip
     channels = 1 if model == "example" else 3
-    x = torch.rand(BATCH[model], channels, 32, 32, device=engine.device)
-    y = torch.randint(0, 10, (BATCH[model],), device=engine.device)
+    x = torch.rand(batch, channels, 32, 32, device=engine.device)
+    y = torch.randint(0, 10, (batch,), device=engine.device)
 
     def step() -> None:
         rate = firing_rate(engine(engine.encode(x)))
@@ -90,6 +92,17 @@ def measure(
         engine.step()
 
     cuda = engine.device.type == "cuda"
+    if not memory:
+        step()  # warm-up: the first step allocates what later steps reuse
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        engine.close()
+        return {"seconds": statistics.median(times)}
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -102,17 +115,9 @@ def measure(
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         step()
         peak = _status("VmHWM") - before
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
     chosen = engine.module.checkpoint_fn.func.choices if chunk == "auto" else {}
     engine.close()
-    return {"peak_mib": peak / 2**20, "seconds": statistics.median(times),
-            "chosen": [c.steps_per_chunk for c in chosen.values()]}  # fmt: skip
+    return {"peak_mib": peak / 2**20, "chosen": [c.steps_per_chunk for c in chosen.values()]}
 
 
 def _rss() -> int:
@@ -127,18 +132,23 @@ def _status(key: str) -> int:
 
 
 def run_one(
-    model: str, time_steps: int, chunk: int | str, steps: int, budget: float | None = None
+    model: str, time_steps: int, chunk: int | str, steps: int, batch: int, budget: float | None = None
 ) -> dict[str, Any]:
-    env = {
-        **os.environ,
-        "MALLOC_MMAP_THRESHOLD_": "65536",
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
-    }
-    command = [sys.executable, __file__, "--one", json.dumps([model, time_steps, chunk, steps, budget])]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise SystemExit(f"{model} T={time_steps} chunk={chunk} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    """The peak (one process) and the step time (another) of one model, T and chunk setting."""
+    out: dict[str, Any] = {}
+    for memory in (True, False):
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+        if memory:
+            env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        else:
+            env.pop("MALLOC_MMAP_THRESHOLD_", None)
+        argument = json.dumps([model, time_steps, chunk, steps, budget, memory, batch])
+        command = [sys.executable, __file__, "--one", argument]
+        result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise SystemExit(f"{model} T={time_steps} chunk={chunk} failed:\n{result.stderr[-3000:]}")
+        out |= json.loads(result.stdout.strip().splitlines()[-1])
+    return out
 
 
 def main() -> None:
@@ -149,6 +159,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=4, help="time steps per chunk (snn.time_chunk)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
     parser.add_argument("--budget", type=float, default=None, help="MiB for the time_chunk auto run")
+    parser.add_argument("--batch", type=int, default=None, help="batch size instead of the model's default")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -160,20 +171,22 @@ def main() -> None:
     print(f"peak = {'CUDA max_memory_allocated' if torch.cuda.is_available() else 'resident-set high-water mark'}"
           f" over one training step, MiB; time = median s/step; chunks of {args.chunk} steps")  # fmt: skip
     for model in args.models:
-        print(f"\n{model} (batch {BATCH[model]}, 32×32)")
+        batch = args.batch or BATCH[model]
+        print(f"\n{model} (batch {batch}, 32×32)")
         print(
             f"{'T':>4}{'peak whole':>12}{'peak chunked':>14}{'chunked/T=4':>13}{'s whole':>10}{'s chunked':>11}{'time ratio':>12}"
         )
         base = None
         last = None
         for t in TIME_STEPS:
-            whole, chunked = run_one(model, t, 0, args.steps), run_one(model, t, args.chunk, args.steps)
+            whole = run_one(model, t, 0, args.steps, batch)
+            chunked = run_one(model, t, args.chunk, args.steps, batch)
             base = base or chunked["peak_mib"]
             last = whole
             print(f"{t:>4}{whole['peak_mib']:>12.1f}{chunked['peak_mib']:>14.1f}{chunked['peak_mib'] / base:>13.2f}"
                   f"{whole['seconds']:>10.3f}{chunked['seconds']:>11.3f}{chunked['seconds'] / whole['seconds']:>12.2f}")  # fmt: skip
         budget = args.budget or (last["peak_mib"] / 4 if last else 100.0)
-        auto = run_one(model, TIME_STEPS[-1], "auto", args.steps, budget)
+        auto = run_one(model, TIME_STEPS[-1], "auto", args.steps, batch, budget)
         print(f'time_chunk "auto", memory_budget_mb {budget:.0f}, T={TIME_STEPS[-1]}: chose chunks of {auto["chosen"]} '
               f"step(s); peak {auto['peak_mib']:.1f} MiB, {auto['seconds']:.3f} s/step")  # fmt: skip
 

@@ -39,6 +39,13 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--kill-in", choices=["between", "allreduce"], default="between")
     parser.add_argument(
+        "--kill-rank",
+        type=int,
+        default=-1,
+        help="only this rank of the group (default: the first to get there)",
+    )
+    parser.add_argument("--hidden", type=int, default=16, help="width of the hidden layer")
+    parser.add_argument(
         "--reference",
         type=int,
         default=0,
@@ -52,7 +59,7 @@ def main() -> None:
     group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
     groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = nn.Sequential(nn.Linear(8, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO * (args.reference or 1),
         "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
@@ -75,8 +82,9 @@ def main() -> None:
     for _epoch in range(loader.epoch, args.epochs):
         for x, y, sample_ids in loader:
             step = engine.global_steps
-            if group == args.kill_group and step == args.kill_step and not marker.exists():
-                marker.touch()
+            chosen = args.kill_rank < 0 or engine.rank == args.kill_rank
+            if group == args.kill_group and chosen and step == args.kill_step and not marker.exists():
+                marker.write_text(f"{time.time()}")
                 if args.kill_in == "between":
                     os.kill(os.getpid(), signal.SIGKILL)
                 kill_after_first_all_reduce(engine)
@@ -86,7 +94,8 @@ def main() -> None:
             time.sleep(args.step_sleep)
             if engine.global_steps > step:  # committed
                 digest = sum(float(p.double().sum()) for p in model.parameters())
-                entry = {"step": step, "ids": sample_ids.flatten().int().tolist(), "digest": digest}
+                entry = {"step": step, "ids": sample_ids.flatten().int().tolist(), "digest": digest,
+                         "time": time.time(), "rank": engine.rank}  # fmt: skip
                 ledger.write(json.dumps(entry) + "\n")
                 ledger.flush()
     if engine.rank == 0:

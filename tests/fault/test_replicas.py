@@ -94,6 +94,24 @@ def assert_every_sample_once_per_epoch(out: Path, per_epoch: int = STEPS_PER_EPO
         assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}"
 
 
+def assert_trained_as_one_process(
+    out: Path, tmp_path: Path, ranks: int = 2, per_epoch: int = STEPS_PER_EPOCH
+) -> None:
+    """Every process held the same parameters after every committed step, the groups end bit-identical,
+    equal to one process on the whole global batch, and every sample was used once per epoch."""
+    assert_groups_agree_after_every_step(out)
+    first, second = finals(out)
+    assert_same(first, second, exact=True)
+    assert_same(first, reference(tmp_path, ranks))
+    assert_every_sample_once_per_epoch(out, per_epoch)
+
+
+def finish(job: subprocess.Popen[str]) -> str:
+    output, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, output[-4000:]
+    return output
+
+
 @pytest.mark.parametrize("kill_in", ["allreduce", "between"])
 def test_a_killed_group_heals_from_the_other_and_the_run_equals_the_fault_free_one(
     tmp_path: Path, kill_in: str
@@ -106,11 +124,7 @@ def test_a_killed_group_heals_from_the_other_and_the_run_equals_the_fault_free_o
     assert "replica group 1 in the job at step" in output  # healed from group 0, not from step 0
     if kill_in == "allreduce":
         assert "not committed by the replica groups" in output  # the survivor took the step again
-    first, second = finals(out)
-    assert_same(first, second, exact=True)
-    assert_same(first, reference(tmp_path))
-    assert_every_sample_once_per_epoch(out)
-    assert_groups_agree_after_every_step(out)
+    assert_trained_as_one_process(out, tmp_path)
     assert all((out / f"steps-{g}").read_text().split()[0] == str(EPOCHS * STEPS_PER_EPOCH) for g in (0, 1))
 
 
@@ -118,11 +132,7 @@ def test_groups_of_two_ranks_each_weight_their_shares_and_heal(tmp_path: Path) -
     out = tmp_path / "run"
     launch(out, "--kill-group", "0", "--kill-step", "2", nproc=2)
     assert "replica group 0 in the job at step" in (out / "output.txt").read_text()
-    assert_groups_agree_after_every_step(out)
-    first, second = finals(out)
-    assert_same(first, second, exact=True)
-    assert_same(first, reference(tmp_path, ranks=4))
-    assert_every_sample_once_per_epoch(out, per_epoch=SAMPLES // 16)
+    assert_trained_as_one_process(out, tmp_path, ranks=4, per_epoch=SAMPLES // 16)
 
 
 def test_a_stopped_group_is_left_out_and_rejoins_when_it_continues(tmp_path: Path) -> None:
@@ -132,17 +142,12 @@ def test_a_stopped_group_is_left_out_and_rejoins_when_it_continues(tmp_path: Pat
     os.kill(worker, signal.SIGSTOP)
     time.sleep(6)  # past the worker's 3 s fault_tolerance.timeout_seconds: group 0 leaves it out
     os.kill(worker, signal.SIGCONT)
-    output, _ = job.communicate(timeout=240)
-    assert job.returncode == 0, output[-4000:]
+    finish(job)
     alone = [
         step for step, ids in committed_samples(out).items() if len(ids) == 8 and _groups_at(out, step) == {0}
     ]
     assert alone, "group 0 committed no step while group 1 was stopped"
-    assert_groups_agree_after_every_step(out)
-    first, second = finals(out)
-    assert_same(first, second, exact=True)
-    assert_same(first, reference(tmp_path))
-    assert_every_sample_once_per_epoch(out)
+    assert_trained_as_one_process(out, tmp_path)
 
 
 def test_the_lighthouse_killed_mid_run_is_started_again_and_training_goes_on(tmp_path: Path) -> None:
@@ -151,14 +156,8 @@ def test_the_lighthouse_killed_mid_run_is_started_again_and_training_goes_on(tmp
     _wait_for_worker(out, group=0)
     lighthouse = _child_with(job.pid, "torchft_lighthouse")
     os.kill(lighthouse, signal.SIGKILL)
-    output, _ = job.communicate(timeout=240)
-    assert job.returncode == 0, output[-4000:]
-    assert "torchft's lighthouse ended" in output
-    assert_groups_agree_after_every_step(out)
-    first, second = finals(out)
-    assert_same(first, second, exact=True)
-    assert_same(first, reference(tmp_path))
-    assert_every_sample_once_per_epoch(out)
+    assert "torchft's lighthouse ended" in finish(job)
+    assert_trained_as_one_process(out, tmp_path)
 
 
 def test_a_group_alone_continues_from_the_furthest_checkpoint_of_any_group(tmp_path: Path) -> None:

@@ -253,6 +253,7 @@ def config(micro: int, accumulation: int, backend: str, time_chunk: int, precisi
         "gradient_accumulation_steps": accumulation,
         "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
         "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16", "initial_scale_power": 8},
         "zero_optimization": {"stage": stage},
         "snn": snn,
         "sail": {"seed": 3, "progress_bar": False, "backend": backend},
@@ -298,7 +299,7 @@ def assert_same_model(
     ("backend", "stage", "accumulation", "precision", "model"),
     [("ddp", 0, 2, "fp32", "chunkable"), ("fsdp", 3, 1, "fp32", "chunkable"), ("fsdp", 3, 2, "fp32", "no-buffers"),
      ("deepspeed", 2, 2, "fp32", "chunkable"), ("deepspeed", 3, 1, "fp32", "no-buffers"),
-     ("ddp", 0, 1, "bf16", "chunkable")],
+     ("ddp", 0, 1, "bf16", "chunkable"), ("ddp", 0, 2, "fp16", "chunkable")],
 )  # fmt: skip
 def test_chunked_ranks_train_like_unchunked_ones(backend: str, stage: int, accumulation: int, precision: str,
                                                  model: str) -> None:  # fmt: skip
@@ -306,7 +307,7 @@ def test_chunked_ranks_train_like_unchunked_ones(backend: str, stage: int, accum
     Without buffers spikingjelly takes its explicit-state path: FSDP2 and ZeRO-3 must still gather."""
     whole = run_ranks(train, 2, False, 4, accumulation, backend, 0, precision, stage, model)
     in_chunks = run_ranks(train, 2, False, 4, accumulation, backend, 2, precision, stage, model)
-    # bf16: the chunks' weight gradients are rounded to bfloat16 chunk by chunk (as the matrix's bf16 rows)
+    # bf16/fp16: the chunks' weight gradients are rounded to 16 bits chunk by chunk (as the matrix's 16-bit rows)
     rtol, atol = (RTOL, ATOL) if precision == "fp32" else (2e-2, 2e-3)
     for rank in (0, 1):
         assert_same_model(in_chunks[rank], whole[rank], rtol, atol)

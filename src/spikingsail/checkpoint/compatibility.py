@@ -39,6 +39,7 @@ FREE = (
     "sail.trackers",
     "sail.log_dir",
     "zero_optimization",  # how state is sharded, not what it is
+    "fault_tolerance",  # timeouts and quorum sizes of replica groups
     "fp16.auto_cast",
     "source",
     "inert_keys",

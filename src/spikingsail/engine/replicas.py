@@ -198,17 +198,25 @@ class ReplicaGroups:
         return shares, index
 
     def reduce_and_vote(self, parameters: Iterator[torch.nn.Parameter]) -> bool:
-        """Sum every gradient over the groups (a missing one counts as zero), then vote: True when
-        the step commits everywhere."""
+        """Sum every gradient over the groups (a missing one counts as zero), in buckets of up to
+        ``BUCKET_BYTES`` as DDP does, then vote: True when the step commits everywhere."""
         self.begin_step()
-        works = []
+        grads = []
         for parameter in parameters:
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
-            works.append(self.manager.allreduce(parameter.grad, reduce_op=_sum()))
+            grads.append(parameter.grad)
+        buckets = [(bucket, torch.cat([g.reshape(-1) for g in bucket])) for bucket in _buckets(grads)]
+        works = [self.manager.allreduce(flat, reduce_op=_sum()) for _, flat in buckets]
         for work in works:
             work.wait()  # a failed one reports its error to the manager, which then votes no
         committed = bool(self.manager.should_commit())
+        if committed:
+            for bucket, flat in buckets:
+                offset = 0
+                for grad in bucket:
+                    grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                    offset += grad.numel()
         self._in_step = False
         if not committed:
             self.discarded += 1
@@ -223,6 +231,29 @@ class ReplicaGroups:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+
+
+def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Consecutive gradients of one dtype and device, up to ``BUCKET_BYTES`` a bucket."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for grad in grads:
+        last = buckets[-1] if buckets else None
+        nbytes = grad.numel() * grad.element_size()
+        if (
+            last is None
+            or size + nbytes > BUCKET_BYTES
+            or (last[0].dtype, last[0].device) != (grad.dtype, grad.device)
+        ):
+            buckets.append([grad])
+            size = nbytes
+        else:
+            last.append(grad)
+            size += nbytes
+    return buckets
 
 
 def _forget_previous_manager(rank_info: RankInfo) -> None:

@@ -1,0 +1,124 @@
+"""A killed worker: live recovery from a peer (``--ft-replicas``) against today's restart from a checkpoint.
+
+    python benchmarks/live_recovery.py                 # kill at step 20 of 60, hidden width 256
+    python benchmarks/live_recovery.py --hidden 1024 --kill-step 30
+
+Both runs train tests/fault/replica_worker.py (a regression MLP, the same data and global batch of
+8 samples per step, checkpoints every 6 steps, 50 ms of sleep per step so that both groups are in
+step before the kill) on this machine, and SIGKILL one worker once it reaches the kill step:
+
+- **live**: ``sail launch --ft-replicas 2 -n 1 --max-restarts 3`` (two replica groups of one process);
+  group 1 dies, its agent restarts it, and it heals from group 0 while group 0 trains on.
+- **restart**: ``sail launch -n 2 --max-restarts 3 ... --checkpoints DIR --resume`` (plain DDP); rank
+  1 dies, torchrun stops and restarts both ranks, and they resume the last checkpoint.
+
+From every committed step's wall-clock time (the worker's ledger) and the kill's (its marker file):
+the **survivor's stall** (the longest gap between two of its committed steps after the kill, less
+the median step), the time until the **replacement is back in step** (the kill to its first
+committed step), and the **steps redone** (committed a second time after a restart). A third and
+fourth run, without a fault and without the sleep, compare the median step time of the two (the
+steady-state cost of torchft's quorum, vote and cross-group all-reduce). Prints the numbers and the
+ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "fault" / "replica_worker.py"
+SAIL = [sys.executable, "-m", "spikingsail.cli.main", "launch"]
+
+
+def run(
+    out: Path, live: bool, epochs: int, hidden: int, kill_step: int | None, sleep: float = 0.0
+) -> list[dict[str, Any]]:
+    out.mkdir(parents=True)
+    flags = ["--ft-replicas", "2", "-n", "1"] if live else ["-n", "2"]
+    args = [str(WORKER), str(out), str(epochs), "--hidden", str(hidden), "--step-sleep", str(sleep)]
+    if kill_step is not None:
+        args += ["--kill-group", "1" if live else "0", "--kill-rank", "0" if live else "1",
+                 "--kill-step", str(kill_step)]  # fmt: skip
+    if not live:
+        args += ["--checkpoints", str(out / "ckpt"), "--resume"]
+    done = subprocess.run([*SAIL, *flags, "--max-restarts", "3", *args], capture_output=True, text=True,
+                          check=False, cwd=ROOT)  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(
+            f"{'live' if live else 'restart'} run failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+        )
+    entries = []
+    for path in out.glob("ledger-*.jsonl"):
+        group, pid = path.stem.split("-")[1:]
+        for line in path.read_text().splitlines():
+            entries.append({**json.loads(line), "group": int(group), "pid": int(pid)})
+    return sorted(entries, key=lambda e: e["time"])
+
+
+def survivor(entries: list[dict[str, Any]], live: bool) -> list[dict[str, Any]]:
+    """Group 0's process (live), or rank 0's processes (restart)."""
+    return [e for e in entries if (e["group"] == 0 if live else e["rank"] == 0)]
+
+
+def median_step(entries: list[dict[str, Any]]) -> float:
+    times = [e["time"] for e in entries]
+    return statistics.median([b - a for a, b in itertools.pairwise(times)])
+
+
+def fault_numbers(entries: list[dict[str, Any]], killed_at: float, live: bool) -> dict[str, float]:
+    mine = survivor(entries, live)
+    step = median_step([e for e in mine if e["time"] < killed_at])
+    after = [e["time"] for e in mine if e["time"] >= killed_at]
+    before = max(e["time"] for e in mine if e["time"] < killed_at)
+    gaps = [b - a for a, b in zip([before, *after], after, strict=False)]
+    started_before = {e["pid"] for e in entries if e["time"] <= killed_at}
+    replacement = [e for e in entries if e["pid"] not in started_before]
+    counts = collections.Counter(e["step"] for e in mine)
+    return {
+        "stall_s": max(gaps) - step,
+        "back_in_step_s": replacement[0]["time"] - killed_at,
+        "steps_redone": sum(c - 1 for c in counts.values()),
+        "median_step_s": step,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--epochs", type=int, default=5, help="12 steps each")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--kill-step", type=int, default=20)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = {}
+        for name, live in (("live (--ft-replicas 2)", True), ("restart (--max-restarts, checkpoint)", False)):
+            out = Path(tmp) / name.split()[0]
+            entries = run(out, live, args.epochs, args.hidden, args.kill_step, sleep=0.05)
+            killed_at = float((out / f"killed-{1 if live else 0}").read_text())
+            rows[name] = fault_numbers(entries, killed_at, live)
+        steady = {}
+        for name, live in (("live", True), ("plain", False)):
+            entries = run(Path(tmp) / f"steady-{name}", live, args.epochs, args.hidden, None)
+            steady[name] = median_step(survivor(entries, live))
+    print(f"one worker SIGKILLed at step {args.kill_step} of {args.epochs * 12}; hidden width {args.hidden}")
+    print(f"{'':40}{'stall s':>10}{'back in step s':>16}{'steps redone':>14}{'median step s':>15}")
+    for name, row in rows.items():
+        print(f"{name:40}{row['stall_s']:>10.2f}{row['back_in_step_s']:>16.2f}{row['steps_redone']:>14.0f}"
+              f"{row['median_step_s']:>15.4f}")  # fmt: skip
+    print(f"steady state, no fault: median step {steady['live']:.4f} s with replica groups, {steady['plain']:.4f} s "
+          f"plain DDP: ratio {steady['live'] / steady['plain']:.2f}, "
+          f"+{(steady['live'] - steady['plain']) * 1000:.1f} ms per step")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -297,3 +297,23 @@ def test_the_replica_environment_is_read_and_checked() -> None:
         ReplicaEnv.from_env({**env, "REPLICA_GROUP_ID": "3"})
     with pytest.raises(ConfigError, match="both integers"):
         ReplicaEnv.from_env({**env, "REPLICA_GROUP_ID": "x"})
+
+
+def test_a_refused_replica_engine_leaves_nothing_running(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import threading
+
+    import spikingsail
+    from spikingsail.environments import RankInfo
+
+    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "2")
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:1")
+    threads = set(threading.enumerate())
+    config = {"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "checkpoint": {"path": str(tmp_path / "ckpt")}}  # fmt: skip
+    with pytest.raises(ConfigError, match="loss scaler that skips a step"):
+        spikingsail.initialize(model=torch.nn.Linear(2, 1), config=config, rank_info=RankInfo.single())
+    assert {t for t in threading.enumerate() if t.is_alive()} <= threads  # no heartbeat, no watcher
+    assert not list((tmp_path / "ckpt").rglob("*.lock"))  # the checkpoint directory's lock is released

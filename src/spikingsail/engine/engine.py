@@ -234,20 +234,20 @@ class Engine:
 
     def _replica_groups(self) -> ReplicaGroups | None:
         """Under ``sail launch --ft-replicas``: this group's torchft manager (no quorum yet)."""
+        self.replicas = None  # close() reads it
         env = ReplicaEnv.from_env()
         if env is None:
             return None
-        check_supported(self.config, self.backend.name)
-        if self.config.checkpoint.path is None and self.rank_info.is_rank_zero:
-            log.warning("replica group %d has no checkpoint path: if it restarts while no other group is "
-                        "alive it starts from step 0 (pass --resume --checkpoints-path DIR)", env.group)  # fmt: skip
-        return ReplicaGroups(
-            self.config.fault_tolerance,
-            env,
-            self.rank_info,
-            self.device,
-            (self._live_state, self._load_live_state),
-        )
+        try:
+            check_supported(self.config, self.backend.name)
+            if self.config.checkpoint.path is None and self.rank_info.is_rank_zero:
+                log.warning("replica group %d has no checkpoint path: if it restarts while no other group is "
+                            "alive it starts from step 0 (pass --resume --checkpoints-path DIR)", env.group)  # fmt: skip
+            state = (self._live_state, self._load_live_state)
+            return ReplicaGroups(self.config.fault_tolerance, env, self.rank_info, self.device, state)
+        except BaseException:  # refused, or torchft could not start: nothing of the engine stays up
+            self.close()
+            raise
 
     def join_replica_groups(self) -> None:
         """Take the first quorum of a job of replica groups (``initialize`` does, after a resume and

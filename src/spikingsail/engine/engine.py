@@ -239,7 +239,7 @@ class Engine:
         if env is None:
             return None
         try:
-            check_supported(self.config, self.backend.name)
+            check_supported(self.config, self.backend.name, self.rank_info.world_size)
             if self.config.checkpoint.path is None and self.rank_info.is_rank_zero:
                 log.warning("replica group %d has no checkpoint path: if it restarts while no other group is "
                             "alive it starts from step 0 (pass --resume --checkpoints-path DIR)", env.group)  # fmt: skip

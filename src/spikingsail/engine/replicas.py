@@ -110,10 +110,14 @@ def newest_group_checkpoints(root: str | Path) -> Path | None:
     return best[1] if best else None
 
 
-def check_supported(config: SailConfig, backend: str) -> None:
+def check_supported(config: SailConfig, backend: str, group_size: int = 1) -> None:
     """Refuse, before anything starts, what live recovery cannot yet keep exact."""
     where = config.source
     refusals = [
+        (group_size > 1, f"each replica group has {group_size} processes",
+         "groups of several processes have been seen to train apart under load (their parameters "
+         "differed after the same step), a defect not yet found; one process per group is tested",
+         "run --ft-replicas with -n 1 (one process per group), or launch without --ft-replicas"),
         (backend != "ddp", f"sail.backend is {backend!r}",
          "only the ddp backend all-reduces across replica groups through torchft so far",
          'use "sail": {"backend": "ddp"}, or launch without --ft-replicas'),
@@ -172,12 +176,11 @@ class ReplicaGroups:
             world_size=rank_info.world_size,
             lighthouse_addr=env.lighthouse,
             replica_id=f"sail_{env.group}",
-            hostname=os.environ.get("SAIL_FT_HOSTNAME", "127.0.0.1"),
+            hostname="127.0.0.1",  # the groups run on this machine (sail launch refuses -H so far)
             quorum_retries=config.quorum_retries,
         )
         self.manager.register_state_dict_fn("sail", load_state, get_state)
         self._in_step = False
-        self.discarded = 0
 
     # -- a step --------------------------------------------------------------------------------
 
@@ -218,8 +221,6 @@ class ReplicaGroups:
                     grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                     offset += grad.numel()
         self._in_step = False
-        if not committed:
-            self.discarded += 1
         return committed
 
     def state_dict(self) -> dict[str, Any]:

@@ -183,14 +183,11 @@ class ReplicaBatchSampler(Sampler[list[int]]):
         """The epoch follows the committed steps."""
 
     def order(self, epoch: int) -> list[int]:
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + epoch)
-            indices = torch.randperm(self.length, generator=generator).tolist()
-        else:
-            indices = list(range(self.length))
-        total = self.steps_per_epoch * self.step_samples
-        return (indices * -(-total // self.length))[:total]
+        """ResumableShardSampler's global order, padded to whole steps (its world: one step's samples)."""
+        steps = ResumableShardSampler(self.length, rank=0, world_size=self.step_samples, shuffle=self.shuffle,
+                                      seed=self.seed)  # fmt: skip
+        steps.set_epoch(epoch)
+        return steps.global_order()
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch = self.epoch()

@@ -6,8 +6,10 @@
 
 Writes OUT/final-GROUP.pt (the parameters at the end) and OUT/ledger-GROUP-PID.jsonl (step, sample
 ids of each committed batch). With --kill-*, group G's process SIGKILLs itself the first time it
-reaches step S (a marker file keeps the restarted one alive): between two steps, or after the first
-of its gradient all-reduces across the groups was sent.
+reaches step S with every group taking part (a marker file keeps the restarted one alive): between
+two steps, or after the first of its gradient all-reduces across the groups was sent. With
+--fail-heal-rank R, rank R's first heal fails; with --perturb-group G, group G's parameters differ by
+one float32 step when it joins the others.
 """
 
 from __future__ import annotations
@@ -44,6 +46,19 @@ def main() -> None:
         default=-1,
         help="only this rank of the group (default: the first to get there)",
     )
+    parser.add_argument(
+        "--fail-heal-rank",
+        type=int,
+        default=-1,
+        help="this rank's first heal fails as if its peer went away mid-transfer",
+    )
+    parser.add_argument(
+        "--perturb-group",
+        type=int,
+        default=-1,
+        help="this group's parameters are nudged just before it first joins the others",
+    )
+    parser.add_argument("--min-replicas", type=int, default=1, help="fault_tolerance.min_replicas")
     parser.add_argument("--hidden", type=int, default=16, help="width of the hidden layer")
     parser.add_argument(
         "--reference",
@@ -58,13 +73,21 @@ def main() -> None:
     args = parser.parse_args()
     group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
     groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
+    if args.fail_heal_rank >= 0 and int(os.environ.get("RANK", "0")) == args.fail_heal_rank:
+        fail_first_heal(args.out / f"heal-failed-{group}")
+    if group == args.perturb_group:
+        perturb_before_joining()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO * (args.reference or 1),
         "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
         "sail": {"seed": 1, "progress_bar": False, "hang_timeout_seconds": 0, "straggler_window": 0},
-        "fault_tolerance": {"timeout_seconds": 3, "quorum_timeout_seconds": 60},
+        "fault_tolerance": {
+            "timeout_seconds": 3,
+            "quorum_timeout_seconds": 60,
+            "min_replicas": args.min_replicas,
+        },
         "checkpoint": {"interval_steps": 6},
     }
     engine, _ = spikingsail.initialize(
@@ -83,7 +106,13 @@ def main() -> None:
         for x, y, sample_ids in loader:
             step = engine.global_steps
             chosen = args.kill_rank < 0 or engine.rank == args.kill_rank
-            if group == args.kill_group and chosen and step == args.kill_step and not marker.exists():
+            if (
+                group == args.kill_group
+                and chosen
+                and step >= args.kill_step
+                and not marker.exists()
+                and engine.replicas.manager.num_participants() == groups
+            ):  # the kill must find a peer
                 marker.write_text(f"{time.time()}")
                 if args.kill_in == "between":
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -114,6 +143,37 @@ def kill_after_first_all_reduce(engine: Any) -> None:
         return work
 
     manager.allreduce = allreduce
+
+
+def perturb_before_joining() -> None:
+    """One parameter one float32 step up, after a resume and before the first quorum: at the same step
+    as the other groups, with a different state."""
+    from spikingsail.engine.engine import Engine
+
+    original = Engine.join_replica_groups
+
+    def join(self: Engine) -> None:
+        with torch.no_grad():
+            weight = next(self.module.parameters())
+            weight[0, 0] = torch.nextafter(weight[0, 0], torch.tensor(float("inf")))
+        original(self)
+
+    Engine.join_replica_groups = join  # type: ignore[method-assign]
+
+
+def fail_first_heal(marker: Path) -> None:
+    """The first checkpoint this process fetches from a live group fails (once per group)."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    original = HTTPTransport.recv_checkpoint
+
+    def recv_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not marker.exists():
+            marker.write_text(f"{time.time()}")
+            raise ConnectionResetError("the live group's rank went away mid-transfer (injected)")
+        return original(self, *args, **kwargs)
+
+    HTTPTransport.recv_checkpoint = recv_checkpoint  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

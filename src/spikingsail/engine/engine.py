@@ -239,12 +239,14 @@ class Engine:
         if env is None:
             return None
         try:
-            check_supported(self.config, self.backend.name, self.rank_info.world_size)
+            check_supported(self.config, self.backend.name)
             if self.config.checkpoint.path is None and self.rank_info.is_rank_zero:
                 log.warning("replica group %d has no checkpoint path: if it restarts while no other group is "
                             "alive it starts from step 0 (pass --resume --checkpoints-path DIR)", env.group)  # fmt: skip
             state = (self._live_state, self._load_live_state)
-            return ReplicaGroups(self.config.fault_tolerance, env, self.rank_info, self.device, state)
+            return ReplicaGroups(
+                self.config.fault_tolerance, env, self.rank_info, self.device, state, self._replicated_tensors
+            )
         except BaseException:  # refused, or torchft could not start: nothing of the engine stays up
             self.close()
             raise
@@ -265,6 +267,13 @@ class Engine:
         """What a healing replica group takes from this one."""
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "engine": self.state_dict()}  # fmt: skip
+
+    def _replicated_tensors(self) -> Iterator[torch.Tensor]:
+        """What every replica group must hold bit for bit at the same step: the model's state and the
+        optimizer's."""
+        yield from self.module.state_dict().values()
+        for state in self.optimizer.state.values():
+            yield from (value for value in state.values() if isinstance(value, torch.Tensor))
 
     def _load_live_state(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -45,7 +45,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from spikingsail.config.schema import FaultToleranceConfig, SailConfig
 from spikingsail.data.sampler import split_batch
 from spikingsail.environments import RankInfo
-from spikingsail.errors import ConfigError
+from spikingsail.errors import ConfigError, SailError
 
 log = logging.getLogger(__name__)
 
@@ -110,14 +110,10 @@ def newest_group_checkpoints(root: str | Path) -> Path | None:
     return best[1] if best else None
 
 
-def check_supported(config: SailConfig, backend: str, group_size: int = 1) -> None:
+def check_supported(config: SailConfig, backend: str) -> None:
     """Refuse, before anything starts, what live recovery cannot yet keep exact."""
     where = config.source
     refusals = [
-        (group_size > 1, f"each replica group has {group_size} processes",
-         "groups of several processes have been seen to train apart under load (their parameters "
-         "differed after the same step), a defect not yet found; one process per group is tested",
-         "run --ft-replicas with -n 1 (one process per group), or launch without --ft-replicas"),
         (backend != "ddp", f"sail.backend is {backend!r}",
          "only the ddp backend all-reduces across replica groups through torchft so far",
          'use "sail": {"backend": "ddp"}, or launch without --ft-replicas'),
@@ -148,6 +144,7 @@ class ReplicaGroups:
         rank_info: RankInfo,
         device: torch.device,
         state: tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]],
+        tensors: Callable[[], Iterable[torch.Tensor]],
     ) -> None:
         from torchft import Manager
         from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
@@ -180,7 +177,9 @@ class ReplicaGroups:
             quorum_retries=config.quorum_retries,
         )
         self.manager.register_state_dict_fn("sail", load_state, get_state)
+        self.device, self._tensors = device, tensors
         self._in_step = False
+        self._checked_quorum: int | None = None
 
     # -- a step --------------------------------------------------------------------------------
 
@@ -189,6 +188,49 @@ class ReplicaGroups:
         if not self._in_step:
             self.manager.start_quorum()
             self._in_step = True
+            error = self.manager.errored()
+            if error is not None and self.group_size > 1:
+                # torchft heals each rank from its counterpart in a live group; when that fails on one
+                # rank and not on another, the group's ranks hold different states and torchft does
+                # not heal them again (the group's step is already the others'): restart the group.
+                raise SailError(
+                    f"replica group {self.env.group}, rank {self.group_rank}: torchft's quorum or heal "
+                    f"failed ({error.original_exception!r})",
+                    "the other ranks of this group may have healed, and a group whose ranks hold "
+                    "different states would train apart",
+                    "nothing to do: the process stops so that its torchrun agent restarts the group "
+                    "(keep --max-restarts above 0), and the restarted group heals from a live one",
+                )
+            quorum = self.manager._quorum_id  # torchft keeps no public name for it
+            if error is None and quorum != self._checked_quorum:
+                self._checked_quorum = quorum
+                self._agree_on_state()
+
+    def _agree_on_state(self) -> None:
+        """When the quorum changes, the groups taking part compare fingerprints of their parameters and
+        optimizer state. torchft heals only a group *behind* the others; two groups at the same step
+        holding different states (each trained alone while the lighthouse kept them apart, or a
+        silent corruption) would otherwise go on training apart. Then every group votes no on this
+        step, and each group whose state is not the first group's steps its torchft step back by one,
+        so the next quorum heals it from a group that kept the first group's state."""
+        groups, me = self.manager.num_participants(), self.manager.participating_rank()
+        if groups < 2 or me is None:
+            return
+        mine = fingerprint(self._tensors(), self.device)
+        slots = torch.zeros(groups, dtype=torch.int64, device=self.device)
+        slots[me] = mine
+        self.manager.allreduce(slots, reduce_op=_sum()).wait()
+        if self.manager.errored() is not None or bool((slots == slots[0]).all()):
+            return  # a failed all-reduce: the vote says no anyway
+        apart, step = int((slots != slots[0]).sum()), self.manager.current_step()
+        if int(slots[me]) != int(slots[0]):
+            self.manager.load_state_dict({"step": max(step - 1, 0),
+                                          "batches_committed": self.manager.batches_committed()})  # fmt: skip
+        log.warning(
+            "replica groups at step %d hold different states (%d of %d differ from the first group's): "
+            "the step is taken again after they heal from it", step, apart, groups,
+        )  # fmt: skip
+        self.manager.report_error(SailError(f"replica groups hold different states at step {step}"))
 
     def split(self, samples: int) -> tuple[list[int], int | None]:
         """The shares of ``samples`` among the ranks of the groups taking part in this step, and this
@@ -235,6 +277,24 @@ class ReplicaGroups:
 
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+_CHUNK = 2**20
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A 62-bit fingerprint of the tensors' exact bits (position-weighted sums of their bit patterns):
+    a differing bit changes it, unless its weighted change is a multiple of 2**62."""
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for index, tensor in enumerate(tensors, start=1):
+        flat = tensor.detach().reshape(-1)
+        if flat.is_complex():
+            flat = torch.view_as_real(flat).reshape(-1)
+        bits = flat.view(_BITS[flat.element_size()])
+        for start in range(0, bits.numel(), _CHUNK):  # int64 copies of a chunk at a time, not the model
+            part = bits[start : start + _CHUNK].to(device=device, dtype=torch.int64)
+            weights = torch.arange(start + 1, start + part.numel() + 1, dtype=torch.int64, device=device)
+            total += (part * weights).sum() * index  # int64 arithmetic wraps: still a fingerprint
+    return total & (2**62 - 1)
 
 
 def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -131,7 +131,9 @@ def test_a_killed_group_heals_from_the_other_and_the_run_equals_the_fault_free_o
 
 def test_groups_of_two_ranks_each_weight_their_shares_and_heal(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    launch(out, "--kill-group", "0", "--kill-step", "2", nproc=2)
+    # 0.6 s steps: the survivor is still training when the killed group's agent has restarted it
+    # (a group restarting after the others finished, with no checkpoint, would train alone from 0)
+    launch(out, "--kill-group", "0", "--kill-step", "2", "--step-sleep", "0.6", nproc=2)
     assert "replica group 0 in the job at step" in (out / "output.txt").read_text()
     assert_trained_as_one_process(out, tmp_path, ranks=4, per_epoch=SAMPLES // 16)
 
@@ -141,7 +143,9 @@ def test_a_heal_that_fails_on_one_rank_of_a_group_restarts_the_group(tmp_path: P
     ranks would hold different states (torchft does not heal them again): the group restarts and
     heals whole."""
     out = tmp_path / "run"
-    launch(out, "--kill-group", "1", "--kill-step", "3", "--fail-heal-rank", "1", nproc=2)
+    launch(
+        out, "--kill-group", "1", "--kill-step", "3", "--fail-heal-rank", "1", "--step-sleep", "0.6", nproc=2
+    )
     output = (out / "output.txt").read_text()
     assert (out / "heal-failed-1").exists()
     assert "replica group 1, rank 1: torchft's quorum or heal failed" in output

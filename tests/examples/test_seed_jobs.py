@@ -122,12 +122,14 @@ def test_cifar_toy_as_seed_003_runs_it_and_on_the_engine(digits_folder: Path, tm
     seed = tmp_path / "seed"
     seed.mkdir()
     # the seed's own command line: python -m torch.distributed.launch --nproc_per_node 2 ddp_case1.py
+    # (the seed seeds nothing: its accuracy after 5 epochs ranged 0.78-0.90 over 7 runs, after 8 epochs
+    # 0.88-0.94 over 8)
     run([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", str(toy / "ddp_case1.py"),
-         "--data", str(digits_folder), "--epochs", "5", "--lr", "0.05"], seed)  # fmt: skip
-    assert sorted(p.name for p in seed.glob("*.ckpt")) == ["0.ckpt", "1.ckpt", "2.ckpt", "3.ckpt", "4.ckpt"]
+         "--data", str(digits_folder), "--epochs", "8", "--lr", "0.05"], seed)  # fmt: skip
+    assert sorted(p.name for p in seed.glob("*.ckpt")) == [f"{epoch}.ckpt" for epoch in range(8)]
     engine_version = load(toy / "train.py")
     model = engine_version.ToyModel()
-    model.load_state_dict(torch.load(seed / "4.ckpt", weights_only=True))  # rank 0's model.module
+    model.load_state_dict(torch.load(seed / "7.ckpt", weights_only=True))  # rank 0's model.module
     val = engine_version.cifar_or_folder(str(digits_folder), train=False)
     model.eval()
     with torch.no_grad():

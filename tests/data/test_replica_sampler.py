@@ -71,3 +71,13 @@ def test_a_group_that_heals_more_than_an_epoch_ahead_stops_for_a_restart() -> No
     job.steps = 2 * 5  # healed to the start of epoch 2 (5 steps per epoch)
     with pytest.raises(SailError, match="healed from epoch 0 to epoch 2"):
         next(batches)
+
+
+def test_its_position_is_a_plain_loaders_so_a_resume_without_groups_continues_there() -> None:
+    """The position a checkpoint keeps is the samples of the epoch's global order taken so far, as
+    a ShardedLoader counts them: a run without replica groups resumes at the same sample."""
+    job = Job(groups=2)
+    replicas = sampler(job, length=40, accumulation=2)  # 8 samples a step, 5 steps an epoch
+    job.steps, job.micro = 7, 1  # epoch 1, its step 2, the second micro-batch
+    assert (replicas.epoch(), replicas.position()) == (1, 2 * 8 + 4)
+    assert next(iter(replicas)) == [20, 21]  # where the plain loader's order continues: sample 20

@@ -354,3 +354,38 @@ def test_a_refused_replica_engine_leaves_nothing_running(
         spikingsail.initialize(model=torch.nn.Linear(2, 1), config=config, rank_info=RankInfo.single())
     assert {t for t in threading.enumerate() if t.is_alive()} <= threads  # no heartbeat, no watcher
     assert not list((tmp_path / "ckpt").rglob("*.lock"))  # the checkpoint directory's lock is released
+
+
+def test_a_group_saves_under_its_own_directory_and_a_load_finds_the_furthest(tmp_path: Path) -> None:
+    from spikingsail.checkpoint.store import CheckpointStore
+    from spikingsail.engine.replicas import checkpoints_to_load, own_group_checkpoints
+
+    assert own_group_checkpoints(tmp_path, 1) == tmp_path / "replica-1"
+    assert own_group_checkpoints(tmp_path / "replica-1", 1) == tmp_path / "replica-1"
+    assert own_group_checkpoints(tmp_path / "replica-0", 1) == tmp_path / "replica-1"  # never another's
+    assert checkpoints_to_load(tmp_path) == tmp_path  # nothing anywhere: the path itself
+    first_run = tmp_path / "run"
+    launch(first_run, "--checkpoints", str(tmp_path / "ck"), epochs=1)
+    # a resume from the job's root (with or without replica groups) reads a group's directory
+    chosen = checkpoints_to_load(tmp_path / "ck")
+    assert chosen.parent == tmp_path / "ck" and chosen.name in ("replica-0", "replica-1")
+    assert CheckpointStore(chosen).metadata(CheckpointStore(chosen).latest() or "")["global_steps"] == 12
+    assert (
+        checkpoints_to_load(tmp_path / "ck", tag="global_step6") == tmp_path / "ck"
+    )  # a named tag: as asked
+
+
+def test_one_process_without_groups_resumes_their_checkpoints_at_the_same_sample(tmp_path: Path) -> None:
+    """Replica groups train 2 epochs and save; one process without them resumes from the job's
+    checkpoint root and trains the third: as if the whole run had been one process."""
+    checkpoints = tmp_path / "ck"
+    launch(tmp_path / "groups", "--checkpoints", str(checkpoints), epochs=2)
+    out = tmp_path / "alone"
+    out.mkdir()
+    done = subprocess.run([sys.executable, str(WORKER), str(out), str(EPOCHS), "--reference", "2",
+                           "--checkpoints", str(checkpoints), "--resume"],
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "at step 24" in done.stderr and "replica-" in done.stderr
+    assert sorted(committed_samples(out)) == list(range(24, EPOCHS * STEPS_PER_EPOCH))
+    assert_same(torch.load(out / "final-0.pt"), reference(tmp_path))

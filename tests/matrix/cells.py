@@ -19,6 +19,9 @@ PRECISIONS = ("fp32", "bf16")
 ACCUMULATIONS = (1, 3)
 SCHEDULERS = ("client", "config")
 INTERRUPTIONS = ("none", "boundary", "window", "world", "sigkill")
+TOPOLOGIES = ("ranks", "replicas")
+"""2 gloo ranks of one job, or 2 replica groups of 1 process (``sail launch --ft-replicas 2 -n 1``:
+torchft's quorum, the cross-group all-reduce and vote, per-group checkpoints)."""
 BALANCES = ("off", "3:1")
 """sail.balance: equal micro-batches, or rank 0 taking three quarters of every global micro-batch
 (a resume takes the other split, 1:3, or none on one process)."""
@@ -61,11 +64,14 @@ class Cell:
     scheduler: str
     interruption: str
     balance: str = "off"
+    topology: str = "ranks"
 
     @property
     def id(self) -> str:
         balance = "" if self.balance == "off" else f"-balance{self.balance.replace(':', '')}"
-        return f"{self.backend}-{self.precision}-acc{self.accumulation}-{self.scheduler}-{self.interruption}{balance}"
+        topology = "" if self.topology == "ranks" else f"-{self.topology}"
+        return (f"{self.backend}-{self.precision}-acc{self.accumulation}-{self.scheduler}-{self.interruption}"
+                f"{balance}{topology}")  # fmt: skip
 
     @classmethod
     def parse(cls, text: str) -> Cell:
@@ -79,6 +85,15 @@ class Cell:
         """The clear refusal this cell must meet, or None when it must train like the reference."""
         if self.balance != "off" and self.backend == "deepspeed-zero2":
             return "which backend deepspeed does not support"
+        if self.topology == "replicas":
+            if self.backend not in ("ddp", "ddp+zero1"):
+                return "only the ddp backend all-reduces across replica groups"
+            if self.backend == "ddp+zero1":
+                return "zero_optimization.stage is 1, and the job runs as replica groups"
+            if self.balance != "off":
+                return "sail.balance is set, and the job runs as replica groups"
+            if self.interruption == "window":
+                return "cannot save inside a gradient accumulation window with replica groups"
         if self.interruption == "window" and self.backend in ("fsdp", "deepspeed-zero2"):
             return "cannot save inside a gradient accumulation window"
         if self.interruption == "world" and self.backend == "deepspeed-zero2":
@@ -100,23 +115,32 @@ def all_cells() -> list[Cell]:
     cells = [
         Cell(*combination)
         for combination in itertools.product(
-            BACKENDS, PRECISIONS, ACCUMULATIONS, SCHEDULERS, INTERRUPTIONS, BALANCES
+            BACKENDS, PRECISIONS, ACCUMULATIONS, SCHEDULERS, INTERRUPTIONS, BALANCES, TOPOLOGIES
         )
     ]
     # a window to save inside needs an accumulation of more than one micro-step
     return [c for c in cells if not (c.interruption == "window" and c.accumulation == 1)]
 
 
+AXES = ("backend", "interruption", "balance", "topology")
+"""Every value of these axes is in every sample."""
+
+
 def sample(seed: int, count: int) -> list[Cell]:
-    """``count`` cells drawn with ``seed``, every backend and every interruption present."""
+    """``count`` cells drawn with ``seed``, every value of ``AXES`` present, and a replica-group cell
+    that must train (ddp, unbalanced)."""
     rng = random.Random(seed)
     cells = all_cells()
     rng.shuffle(cells)
     chosen: list[Cell] = []
-    for axis in ("backend", "interruption", "balance"):
+    for axis in AXES:
         for value in sorted({getattr(c, axis) for c in cells}):
             if not any(getattr(c, axis) == value for c in chosen):
                 chosen.append(next(c for c in cells if getattr(c, axis) == value and c not in chosen))
+    if not any(c.topology == "replicas" and not c.refusal for c in chosen):
+        chosen.append(
+            next(c for c in cells if c.topology == "replicas" and not c.refusal and c not in chosen)
+        )
     chosen += [c for c in cells if c not in chosen][: max(0, count - len(chosen))]
     return sorted(chosen, key=lambda c: c.id)
 

@@ -1,9 +1,18 @@
-"""One matrix job: a small MLP on fixed data, trained for STEPS optimizer steps (or stopped on the way)."""
+"""One matrix job: a small MLP on fixed data, trained for STEPS optimizer steps (or stopped on the way).
+
+As a script (a replica group's process under ``sail launch --ft-replicas``)::
+
+    python -m tests.matrix.job SPEC.json ACCUMULATION PHASE CHECKPOINTS|- OUT
+
+saves its rank 0's result to ``OUT/result-GROUP.pt``."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,6 +94,8 @@ def _run(
     share = split_batch(MICRO * engine.world_size, list(balance))[engine.rank] if balance != "off" else MICRO
     while engine.global_steps < STEPS:
         for x, y in loader:
+            if engine.replicas is not None:  # the shares follow the groups taking part in the step
+                share = engine._replica_loader.share[0]
             assert len(x) == share, f"rank {engine.rank} got {len(x)} samples, its share is {share}"
             engine.backward(F.cross_entropy(engine(x).float(), y))
             engine.step()
@@ -104,3 +115,15 @@ def _run(
               "steps": engine.global_steps}  # fmt: skip
     engine.close()
     return result if engine.rank == 0 else None
+
+
+def main() -> None:
+    spec_path, accumulation, phase, checkpoints, out = sys.argv[1:]
+    spec = json.loads(Path(spec_path).read_text())
+    result = run(spec, int(accumulation), phase, None if checkpoints == "-" else checkpoints)
+    if result is not None:
+        torch.save(result, Path(out) / f"result-{os.environ.get('REPLICA_GROUP_ID', '0')}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -13,6 +17,7 @@ from tests.matrix.cells import WORLD, Cell
 from tests.matrix.job import run
 from tests.multiprocess import run_ranks
 
+ROOT = Path(__file__).resolve().parents[2]
 _references: dict[tuple[str, int, str], dict[str, Any]] = {}
 
 
@@ -30,6 +35,8 @@ def reference(cell: Cell) -> dict[str, Any]:
 def run_cell(cell: Cell) -> dict[str, Any]:
     """The cell's final rank-0 result (params, lr, steps), or {"refused": message}."""
     spec = cell.spec()
+    if cell.topology == "replicas":
+        return _run_replica_cell(cell, spec)
     if cell.interruption == "none":
         return _rank0(run_ranks(run, WORLD, spec, cell.accumulation, "straight", None))
     with tempfile.TemporaryDirectory(prefix="sail-matrix-") as tmp:
@@ -70,3 +77,45 @@ def check(cell: Cell, result: dict[str, Any]) -> None:
     for key, value in expected["params"].items():
         torch.testing.assert_close(result["params"][key], value, rtol=tol.rtol, atol=tol.atol,
                                    msg=lambda m, k=key: f"{cell.id} {k}: {m} (tolerance: {tol.why})")  # fmt: skip
+
+
+def _run_replica_cell(cell: Cell, spec: dict[str, Any]) -> dict[str, Any]:
+    """2 replica groups of 1 process under ``sail launch --ft-replicas``; the groups must end
+    bit-identical. "world": the resume is one process without replica groups, from their checkpoints."""
+    with tempfile.TemporaryDirectory(prefix="sail-matrix-") as tmp:
+        spec_file = Path(tmp) / "spec.json"
+        spec_file.write_text(json.dumps(spec))
+        checkpoints = str(Path(tmp) / "ck")
+        if cell.interruption == "none":
+            return _groups(spec_file, cell, "straight", "-", Path(tmp) / "straight")
+        first = _groups(spec_file, cell, "first", checkpoints, Path(tmp) / "first")
+        if "refused" in first:
+            return first
+        if cell.interruption == "world":
+            return _rank0(run_ranks(run, 1, spec, cell.accumulation * WORLD, "resume", checkpoints))
+        return _groups(spec_file, cell, "resume", checkpoints, Path(tmp) / "resume")
+
+
+def _groups(spec_file: Path, cell: Cell, phase: str, checkpoints: str, out: Path) -> dict[str, Any]:
+    out.mkdir()
+    command = [sys.executable, "-m", "spikingsail.cli.main", "launch", "--ft-replicas", str(WORLD), "-n", "1",
+               "--max-restarts", "0", "--ft-heartbeat-timeout", "3",
+               "-m", "tests.matrix.job", str(spec_file), str(cell.accumulation), phase, checkpoints, str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    killed = phase == "first" and cell.interruption == "sigkill"
+    assert (done.returncode != 0) == killed, (
+        f"{cell.id} {phase}: status {done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+    )
+    if killed:
+        return {"killed": True}
+    results = [torch.load(out / f"result-{group}.pt") for group in range(WORLD)]
+    first, *others = results
+    for other in others:  # every group holds the same weights, bit for bit
+        if "params" in first:
+            assert all(torch.equal(first["params"][k], other["params"][k]) for k in first["params"]), cell.id
+        else:
+            assert sorted(other) == sorted(first), (first, other)
+    return first

@@ -150,7 +150,7 @@ class ShardedLoader:
 
     def state_dict(self) -> dict[str, int]:
         if isinstance(self.sampler, ReplicaBatchSampler):
-            return {"epoch": self.sampler.epoch(), "position": 0}
+            return {"epoch": self.sampler.epoch(), "position": self.sampler.position()}
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict[str, int]) -> None:

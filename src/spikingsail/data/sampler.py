@@ -182,6 +182,12 @@ class ReplicaBatchSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         """The epoch follows the committed steps."""
 
+    def position(self) -> int:
+        """The samples of the epoch's global order taken so far — a plain loader's position, so that a
+        resume without replica groups continues here."""
+        steps, micro = self.progress()
+        return (steps % self.steps_per_epoch) * self.step_samples + micro * self.micro_samples
+
     def order(self, epoch: int) -> list[int]:
         """ResumableShardSampler's global order, padded to whole steps (its world: one step's samples)."""
         steps = ResumableShardSampler(self.length, rank=0, world_size=self.step_samples, shuffle=self.shuffle,

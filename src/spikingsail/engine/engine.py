@@ -38,7 +38,13 @@ from spikingsail.data.sampler import ReplicaBatchSampler
 from spikingsail.engine.balance import Balancer
 from spikingsail.engine.precision import Precision
 from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
-from spikingsail.engine.replicas import ReplicaEnv, ReplicaGroups, check_supported
+from spikingsail.engine.replicas import (
+    ReplicaEnv,
+    ReplicaGroups,
+    check_supported,
+    checkpoints_to_load,
+    own_group_checkpoints,
+)
 from spikingsail.engine.state import Entry, LoaderPositions, OptimizerHyperparameters, StepCounters
 from spikingsail.engine.stragglers import StragglerWatch
 from spikingsail.environments import RankInfo
@@ -257,10 +263,22 @@ class Engine:
         live group's state into it (``_load_live_state``) — and takes part in their step."""
         if self.replicas is None:
             return
+        self._refuse_inside_window("resume")
         self.replicas.begin_step()
         if self.counters.global_steps:
             log.info(
                 "replica group %d in the job at step %d", self.replicas.env.group, self.counters.global_steps
+            )
+
+    def _refuse_inside_window(self, what: str) -> None:
+        accumulation = self.config.gradient_accumulation_steps
+        if self.counters.micro_steps % accumulation:
+            raise ConfigError(
+                f"cannot {what} inside a gradient accumulation window with replica groups (micro-step "
+                f"{self.counters.micro_steps % accumulation} of {accumulation} of step {self.global_steps + 1})",
+                "each replica group holds only its own share of the window's gradient, and a resume "
+                "continues from one group's checkpoint",
+                "save on a step boundary (is_gradient_accumulation_boundary(); the periodic saves do)",
             )
 
     def _live_state(self) -> dict[str, Any]:
@@ -600,6 +618,9 @@ class Engine:
         completes. A save waits for the previous background save first; so do loading and close().
         """
         self.wait_for_checkpoint()
+        if self.replicas is not None:
+            self._refuse_inside_window("save")
+            save_dir = own_group_checkpoints(save_dir, self.replicas.env.group)
         background = self.config.checkpoint.async_save if async_save is None else async_save
         self.heartbeat.enter(CHECKPOINT)
         handle = engine_state.save(
@@ -695,6 +716,7 @@ class Engine:
         """
         self.wait_for_checkpoint()
         self._last_saved = None
+        load_dir = self._agreed(str(checkpoints_to_load(load_dir, tag)))
         training = self._training_state(with_optimizer=load_optimizer_states)
         if load_module_only:
             path, client_state = engine_state.load_weights(
@@ -711,6 +733,15 @@ class Engine:
         self.snn.after_load()
         log.info("resumed from %s at step %d", path, self.global_steps)
         return str(path), client_state
+
+    def _agreed(self, choice: str) -> str:
+        """Rank 0's ``choice`` on every rank (what rank 0 saw of a directory another replica group may
+        be writing to)."""
+        if self.replicas is None or self.world_size == 1 or not dist.is_initialized():
+            return choice
+        chosen = [choice]
+        dist.broadcast_object_list(chosen, src=0)
+        return str(chosen[0])
 
     def _lock_checkpoint_directory(self, directory: str | None) -> JobLock | None:
         """Rank 0 takes the job lock of the checkpoint directory (``checkpoint/lock.py``); every rank

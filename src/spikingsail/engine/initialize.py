@@ -22,7 +22,12 @@ from spikingsail.backends import Backend, available, backend_class, load_config,
 from spikingsail.checkpoint.store import CheckpointStore
 from spikingsail.config.schema import SailConfig, summary
 from spikingsail.engine.engine import Engine, LRScheduler
-from spikingsail.engine.replicas import ReplicaEnv, group_checkpoints, newest_group_checkpoints
+from spikingsail.engine.replicas import (
+    ReplicaEnv,
+    checkpoints_to_load,
+    group_checkpoints,
+    newest_group_checkpoints,
+)
 from spikingsail.environments import RankInfo, discover_rank_info
 from spikingsail.errors import ConfigError
 from spikingsail.monitor.logs import ensure_logging, report_sail_errors
@@ -174,8 +179,8 @@ def initialize(
         path = chosen[0]
     if resume_from:
         engine.load_checkpoint(str(path), resume_from)
-    elif resume and CheckpointStore(str(path)).has_checkpoints():
-        engine.load_checkpoint(str(path))
+    elif resume and CheckpointStore(checkpoints_to_load(str(path))).has_checkpoints():
+        engine.load_checkpoint(str(path))  # a job of replica groups saved under path: the furthest group's
     elif resume:
         log.info("no checkpoint in %s yet: starting from the beginning", path)
     engine.join_replica_groups()

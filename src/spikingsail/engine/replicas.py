@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -108,6 +109,27 @@ def newest_group_checkpoints(root: str | Path) -> Path | None:
         if best is None or steps > best[0]:
             best = (steps, directory)
     return best[1] if best else None
+
+
+def own_group_checkpoints(path: str | Path, group: int) -> Path:
+    """Where replica group ``group`` saves when asked to save to ``path``: ``path/replica-G``, or
+    ``path`` itself when it is already the group's own directory (another group's becomes its own):
+    every group saves the same steps, and a directory is one job's."""
+    path = Path(path)
+    if re.fullmatch(r"replica-\d+", path.name):
+        return path.with_name(group_checkpoints("", group).name)
+    return group_checkpoints(path, group)
+
+
+def checkpoints_to_load(path: str | Path, tag: str | None = None) -> Path:
+    """Where a load from ``path`` reads: ``path`` itself when it holds checkpoints (or a tag is named),
+    else the furthest replica group directory under it — a job of replica groups saved there, and a
+    resume, with or without replica groups, continues from it instead of starting over — else ``path``."""
+    from spikingsail.checkpoint.store import CheckpointStore
+
+    if tag is not None or CheckpointStore(path).has_checkpoints():
+        return Path(path)
+    return newest_group_checkpoints(path) or Path(path)
 
 
 def check_supported(config: SailConfig, backend: str) -> None:
@@ -273,7 +295,12 @@ class ReplicaGroups:
         self.manager.load_state_dict(state)
 
     def shutdown(self) -> None:
-        self.manager.shutdown(wait=False)
+        """Stop torchft's servers and threads and free the cross-group process group now, in order,
+        not at interpreter exit (where a gloo thread still joinable aborted a finished process). A
+        quorum still waiting for the lighthouse (an error path) is not waited for."""
+        pending = getattr(self.manager, "_quorum_future", None)
+        self.manager.shutdown(wait=pending is None or pending.done())
+        self.manager._pg.shutdown()  # torchft's own name; its wrapper drops the gloo/NCCL group
 
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb

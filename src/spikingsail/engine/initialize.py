@@ -183,7 +183,11 @@ def initialize(
         engine.load_checkpoint(str(path))  # a job of replica groups saved under path: the furthest group's
     elif resume:
         log.info("no checkpoint in %s yet: starting from the beginning", path)
-    engine.join_replica_groups()
+    try:
+        engine.join_replica_groups()
+    except BaseException:  # refused (inside a window) or no quorum: nothing of the engine stays up
+        engine.close()
+        raise
     return engine, engine.optimizer
 
 

@@ -44,7 +44,8 @@ def config(spec: dict[str, Any], accumulation: int, checkpoints: str | None, pha
     }
     if spec["precision"] == "bf16":
         cfg["bf16"] = {"enabled": True}
-    if spec["balance"] != "off" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    ranks = int(os.environ.get("WORLD_SIZE", "1")) * int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
+    if spec["balance"] != "off" and ranks > 1:
         weights = [int(w) for w in spec["balance"].split(":")]
         cfg["sail"]["balance"] = weights[::-1] if checkpoints and phase == "resume" else weights
     if spec["scheduler"] == "config":

@@ -24,6 +24,7 @@ from spikingsail.config.schema import SailConfig, summary
 from spikingsail.engine.engine import Engine, LRScheduler
 from spikingsail.engine.replicas import (
     ReplicaEnv,
+    check_supported,
     checkpoints_to_load,
     group_checkpoints,
     newest_group_checkpoints,
@@ -162,6 +163,8 @@ def initialize(
         _report_unused(sail_config, backend_cls.name, backend_cls.honoured_deepspeed_keys)
     _check_zero_stage(sail_config, backend_cls.name, backend_cls.max_zero_stage)  # on every rank
     _check_balance(sail_config, backend_cls, model)
+    if replicas is not None:  # before the backend starts (DeepSpeed's own batch checks would speak first)
+        check_supported(sail_config, backend_cls.name)
     engine = Engine(
         model=model,
         config=sail_config,

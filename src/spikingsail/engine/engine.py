@@ -41,7 +41,6 @@ from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
 from spikingsail.engine.replicas import (
     ReplicaEnv,
     ReplicaGroups,
-    check_supported,
     checkpoints_to_load,
     own_group_checkpoints,
 )
@@ -245,7 +244,6 @@ class Engine:
         if env is None:
             return None
         try:
-            check_supported(self.config, self.backend.name)
             if self.config.checkpoint.path is None and self.rank_info.is_rank_zero:
                 log.warning("replica group %d has no checkpoint path: if it restarts while no other group is "
                             "alive it starts from step 0 (pass --resume --checkpoints-path DIR)", env.group)  # fmt: skip
@@ -253,7 +251,7 @@ class Engine:
             return ReplicaGroups(
                 self.config.fault_tolerance, env, self.rank_info, self.device, state, self._replicated_tensors
             )
-        except BaseException:  # refused, or torchft could not start: nothing of the engine stays up
+        except BaseException:  # torchft could not start: nothing of the engine stays up
             self.close()
             raise
 

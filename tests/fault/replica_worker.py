@@ -7,7 +7,8 @@
 Writes OUT/final-GROUP.pt (the parameters at the end) and OUT/ledger-GROUP-PID.jsonl (step, sample
 ids of each committed batch). With --kill-*, group G's process SIGKILLs itself the first time it
 reaches step S with every group taking part (a marker file keeps the restarted one alive): between
-two steps, or after the first of its gradient all-reduces across the groups was sent. With
+two steps, or as it enters its gradient all-reduce across the groups (its peers, in the same
+quorum, wait in theirs; had it sent its share first, the peers could finish the step without it). With
 --fail-heal-rank R, rank R's first heal fails; with --perturb-group G, group G's parameters differ by
 one float32 step when it joins the others.
 """
@@ -116,7 +117,7 @@ def main() -> None:
                 marker.write_text(f"{time.time()}")
                 if args.kill_in == "between":
                     os.kill(os.getpid(), signal.SIGKILL)
-                kill_after_first_all_reduce(engine)
+                kill_in_first_all_reduce(engine)
             loss = F.mse_loss(engine(x), y)
             engine.backward(loss)
             engine.step()
@@ -133,14 +134,11 @@ def main() -> None:
     engine.close()
 
 
-def kill_after_first_all_reduce(engine: Any) -> None:
+def kill_in_first_all_reduce(engine: Any) -> None:
     manager = engine.replicas.manager
-    original = manager.allreduce
 
     def allreduce(*args: Any, **kwargs: Any) -> Any:
-        work = original(*args, **kwargs)
         os.kill(os.getpid(), signal.SIGKILL)
-        return work
 
     manager.allreduce = allreduce
 

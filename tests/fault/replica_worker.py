@@ -121,13 +121,13 @@ def main() -> None:
             loss = F.mse_loss(engine(x), y)
             engine.backward(loss)
             engine.step()
-            time.sleep(args.step_sleep)
-            if engine.global_steps > step:  # committed
+            if engine.global_steps > step:  # committed; written at once, before a kill can come
                 digest = sum(float(p.double().sum()) for p in model.parameters())
                 entry = {"step": step, "ids": sample_ids.flatten().int().tolist(), "digest": digest,
                          "time": time.time(), "rank": engine.rank}  # fmt: skip
                 ledger.write(json.dumps(entry) + "\n")
                 ledger.flush()
+            time.sleep(args.step_sleep)
     if engine.rank == 0:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out / f"final-{group}.pt")
         (args.out / f"steps-{group}").write_text(f"{engine.global_steps} {groups}")

@@ -251,10 +251,39 @@ def test_launch_plans_the_lighthouse_and_one_agent_per_group(tmp_path: Path) -> 
         assert command.argv[-3:] == [str(script), "--lr", "1"]
 
 
+def test_launch_spreads_the_groups_over_the_hostfile_nodes(tmp_path: Path) -> None:
+    """With -H each group is the multi-node job of a slice of the nodes, with its own rendezvous,
+    and the lighthouse listens on the address the nodes reach this machine at."""
+    from spikingsail.launchers import plan
+    from spikingsail.launchers.replicas import ENV_GROUP_REQUEST, decode_request, group_requests
+
+    script = tmp_path / "train.py"
+    script.touch()
+    request = parse_request(["--ft-replicas", "2", "-H", "n1:2,n2:2,n3:2,n4:2", "--max-restarts", "2",
+                             "--env", "HF_TOKEN=secret", str(script)])  # fmt: skip
+    replicas = ReplicaPlan(2, 1000, 10000, 29999, lighthouse_host="10.0.0.9")
+    lighthouse, *children = plan_replica_groups(request, replicas)
+    assert lighthouse.argv[lighthouse.argv.index("--bind") + 1] == "10.0.0.9:29999"
+    subs = [decode_request(c.env[ENV_GROUP_REQUEST]) for c in children]
+    assert subs == group_requests(request, replicas)
+    assert all("secret" not in " ".join(c.argv) for c in children)  # --env values stay off command lines
+    assert [[n.host for n in sub.nodes or []] for sub in subs] == [["n1", "n2"], ["n3", "n4"]]
+    for group, sub in enumerate(subs):
+        assert sub.ft_replicas == 0 and sub.max_restarts == 2
+        assert sub.env["REPLICA_GROUP_ID"] == str(group) and sub.env["NUM_REPLICA_GROUPS"] == "2"
+        assert sub.env["TORCHFT_LIGHTHOUSE"] == "http://10.0.0.9:29999"
+        assert sub.env["HF_TOKEN"] == "secret"
+        agents = " ".join(command.render() for command in plan(sub))
+        first = (sub.nodes or [])[0].host
+        assert f"--rdzv-endpoint {first}:29500" in agents and "--nnodes 2" in agents
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [(["--ft-replicas", "1"], "one group has nobody to heal from"),
-     (["--ft-replicas", "2", "-H", "a:1,b:1"], "replica groups start on this machine so far"),
+     (["--ft-replicas", "2", "-H", "a:1,b:1,c:1"], "the same number of nodes each"),
+     (["--ft-replicas", "2", "-H", "a:1,b:1", "--launcher", "mpirun"], "torchrun agents of its own"),
+     (["--ft-replicas", "2", "-H", "a:1,b:1", "--rdzv-endpoint", "a:2"], "a rendezvous of its own"),
      (["--ft-replicas", "2", "--ft-heartbeat-timeout", "0"], "a time in seconds")],
 )  # fmt: skip
 def test_launch_refuses_what_it_cannot_do(tmp_path: Path, argv: list[str], message: str) -> None:

@@ -10,7 +10,14 @@ from spikingsail.launchers import launcher_for, plan
 from spikingsail.launchers.failure import Failure
 from spikingsail.launchers.local import run_local
 from spikingsail.launchers.preflight import check_hosts
-from spikingsail.launchers.replicas import ReplicaPlan, free_port, plan_replica_groups, run_replica_groups
+from spikingsail.launchers.replicas import (
+    ReplicaPlan,
+    address_towards,
+    free_port,
+    group_requests,
+    plan_replica_groups,
+    run_replica_groups,
+)
 from spikingsail.launchers.request import LaunchRequest, parse_request
 from spikingsail.launchers.supervisor import supervise
 
@@ -21,11 +28,16 @@ def run(argv: list[str]) -> int:
     request = parse_request(argv)
     if request.ft_replicas:
         return _run_replica_groups(request)
-    commands = plan(request)
     if request.dry_run:
-        for command in commands:
+        for command in plan(request):
             print(command.render())
         return 0
+    return run_request(request)
+
+
+def run_request(request: LaunchRequest) -> int:
+    """Plan and run one job (here, or on its nodes), and report its failure last."""
+    commands = plan(request)
     launcher = launcher_for(request)
     if not launcher.supervised:
         (command,) = commands
@@ -53,15 +65,29 @@ def _run_replica_groups(request: LaunchRequest) -> int:
         heartbeat_timeout_ms=heartbeat_ms,
         join_timeout_ms=max(10 * heartbeat_ms, 10_000),
         lighthouse_port=free_port(),
+        lighthouse_host=address_towards([n.host for n in request.nodes]) if request.nodes else "127.0.0.1",
     )
     commands = plan_replica_groups(request, replicas)
     if request.dry_run:
-        for command in commands:
-            print(command.render())
+        print(commands[0].render())
+        if request.nodes:
+            for group, sub in enumerate(group_requests(request, replicas)):
+                print(f"# replica group {group}")
+                for command in plan(sub):
+                    print(command.render())
+        else:
+            for command in commands[1:]:
+                print(command.render())
         return 0
-    log.info("launching %d replica groups of %s process(es) with torchft's lighthouse on port %d",
-             replicas.groups, request.nproc_per_node, replicas.lighthouse_port)  # fmt: skip
-    return run_replica_groups(commands)
+    where = (
+        f"over {len(request.nodes)} nodes ({len(request.nodes) // replicas.groups} per group)"
+        if request.nodes
+        else "on this machine"
+    )
+    log.info("launching %d replica groups of %s process(es) per node %s with torchft's lighthouse at %s:%d",
+             replicas.groups, request.nproc_per_node, where, replicas.lighthouse_host,
+             replicas.lighthouse_port)  # fmt: skip
+    return run_replica_groups(commands, request.max_restarts)
 
 
 def _rendezvous(request: LaunchRequest, reached: list[str]) -> tuple[str, int] | None:

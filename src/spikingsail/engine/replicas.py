@@ -33,6 +33,11 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
+import socket
+import threading
+import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -53,6 +58,7 @@ log = logging.getLogger(__name__)
 ENV_GROUP = "REPLICA_GROUP_ID"
 ENV_GROUPS = "NUM_REPLICA_GROUPS"
 ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
+AGENT_WATCH_SECONDS = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +187,7 @@ class ReplicaGroups:
             else ProcessGroupGloo(timeout=timeout)
         )
         _forget_previous_manager(rank_info)
+        _end_with_the_agent(env.group)
         get_state, load_state = state
         self.manager = Manager(
             pg=pg,
@@ -195,7 +202,7 @@ class ReplicaGroups:
             world_size=rank_info.world_size,
             lighthouse_addr=env.lighthouse,
             replica_id=f"sail_{env.group}",
-            hostname="127.0.0.1",  # the groups run on this machine (sail launch refuses -H so far)
+            hostname=address_towards_lighthouse(env.lighthouse),
             quorum_retries=config.quorum_retries,
         )
         self.manager.register_state_dict_fn("sail", load_state, get_state)
@@ -208,9 +215,19 @@ class ReplicaGroups:
     def begin_step(self) -> None:
         """Take the step's quorum (once per optimizer step); a group behind the others heals here."""
         if not self._in_step:
+            before = self.manager.current_step()
             self.manager.start_quorum()
             self._in_step = True
             error = self.manager.errored()
+            healed = self.manager.current_step()
+            if (
+                error is None
+                and healed != before
+                and self._checked_quorum is not None
+                and self.group_rank == 0
+            ):
+                log.warning("replica group %d was left behind (at step %d) and healed from a live group: "
+                            "now at step %d", self.env.group, before, healed)  # fmt: skip
             if error is not None and self.group_size > 1:
                 # torchft heals each rank from its counterpart in a live group; when that fails on one
                 # rank and not on another, the group's ranks hold different states and torchft does
@@ -342,6 +359,42 @@ def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
             last.append(grad)
             size += nbytes
     return buckets
+
+
+def address_towards_lighthouse(lighthouse: str) -> str:
+    """Where the other groups reach this group's manager: this node's address on its route to the
+    lighthouse (loopback when the groups share one machine, the cluster network's address when they
+    are spread over nodes: ``sail launch`` runs the lighthouse on a machine of that network)."""
+    parsed = urllib.parse.urlsplit(lighthouse)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 29510
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))  # a UDP connect sends nothing; it picks the route
+            return str(probe.getsockname()[0])
+    except OSError as err:
+        raise ConfigError(
+            f"{ENV_LIGHTHOUSE}={lighthouse}: no route to it from {socket.gethostname()} ({err})",
+            "the replica groups reach each other and torchft's lighthouse over the network",
+            "start the job with sail launch --ft-replicas R, from a machine the nodes can reach",
+        ) from None
+
+
+def _end_with_the_agent(group: int) -> None:
+    """torchrun's agent stops its workers when it ends, but killed (SIGKILL, its node lost) it cannot,
+    and its worker would stay in the quorum under the group's name while ``sail launch`` starts the
+    group again. Under torchrun, a worker of a replica group ends when its agent is gone."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    agent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == agent:
+            time.sleep(AGENT_WATCH_SECONDS)
+        log.error("replica group %d: the torchrun agent (pid %d) of this worker is gone; the worker "
+                  "ends so that the group can be started again", group, agent)  # fmt: skip
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="sail-agent-watch", daemon=True).start()
 
 
 def _forget_previous_manager(rank_info: RankInfo) -> None:

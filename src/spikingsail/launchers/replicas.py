@@ -1,18 +1,27 @@
-"""``sail launch --ft-replicas R``: R replica groups on this machine, each under its own torchrun
-agent, and torchft's lighthouse, which ``sail launch`` starts, watches and starts again if it dies.
+"""``sail launch --ft-replicas R``: R replica groups, each under its own torchrun agents, and
+torchft's lighthouse, which ``sail launch`` starts, watches and starts again if it dies.
 
-Every group is the job ``sail launch -n N`` would start (its own rendezvous, its own
-``--max-restarts``), with ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS`` and ``TORCHFT_LIGHTHOUSE`` set;
-the engine reads them and joins torchft's quorum (``spikingsail.engine.replicas``). A group whose
-workers die is restarted by its agent and heals from a live group. The job ends when every group
-has ended; its status is the first failing group's.
+On this machine (no ``-H``) every group is the job ``sail launch -n N`` would start: one torchrun
+agent with its own rendezvous and its own ``--max-restarts``. With ``-H`` the hostfile's nodes are
+split among the groups in order, the same number each, and every group is the multi-node job
+``sail launch -H <its nodes>`` would start (agents over ssh or pdsh, the rendezvous on the group's
+first node), run by a child ``sail launch`` that supervises its nodes as any multi-node job; the
+lighthouse then listens on the address this machine has towards the nodes. Each group gets ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS`` and
+``TORCHFT_LIGHTHOUSE``; the engine reads them and joins torchft's quorum
+(``spikingsail.engine.replicas``). A group whose workers die is restarted by its agents and heals
+from a live group; a group whose agent itself ended (a node lost) is started again, up to
+``--max-restarts`` times, while another group trains. The job ends when every group has ended; its
+status is the first failing group's.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import dataclasses
 import logging
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -31,6 +40,12 @@ from spikingsail.launchers.spec import LaunchRequest
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.2
+GROUP_LAUNCHERS = ("ssh", "pdsh")
+"""Launchers that start a group's torchrun agents on its nodes (one agent per node, as torchft needs)."""
+ENV_GROUP_REQUEST = "SPIKINGSAIL_GROUP_REQUEST"
+"""How the child ``sail launch`` of a group receives its request: in its environment, never on a
+command line (the request's ``--env`` values may be credentials); not a ``SAIL_`` name, which
+would be shipped on to the nodes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,37 +54,139 @@ class ReplicaPlan:
     heartbeat_timeout_ms: int
     join_timeout_ms: int
     lighthouse_port: int
+    lighthouse_host: str = "127.0.0.1"
+    """The address the groups reach the lighthouse at: this machine's address towards the nodes
+    with ``-H``, else loopback."""
 
 
 def plan_replica_groups(request: LaunchRequest, replicas: ReplicaPlan) -> list[LaunchCommand]:
-    """The lighthouse first, then one torchrun agent per replica group."""
-    if request.nodes:
-        raise LaunchError(
-            "--ft-replicas with -H",
-            "replica groups start on this machine so far; spreading them over a hostfile's nodes is not built yet",
-            "run the groups on one machine (drop -H), or launch without --ft-replicas",
-        )
-    address = f"http://127.0.0.1:{replicas.lighthouse_port}"
-    # torchft's Rust parts log every quorum and vote at INFO; warnings and errors stay
-    quiet = {} if "RUST_LOG" in os.environ else {"RUST_LOG": "warn"}
+    """The lighthouse first, then what runs each replica group here: its torchrun agent, or with
+    ``-H`` a child ``sail launch`` of the group's nodes (``group_requests``)."""
+    _check(request, replicas)
+    quiet = {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft's Rust parts log every vote at INFO
     commands = [LaunchCommand(host="localhost", argv=lighthouse_argv(replicas), env=quiet)]
+    if request.nodes:
+        for sub in group_requests(request, replicas):
+            env = {ENV_GROUP_REQUEST: encode_request(sub)}
+            commands.append(
+                LaunchCommand(host="localhost", argv=python_module("spikingsail.cli.replica_group"), env=env)
+            )
+        return commands
     for group in range(replicas.groups):
         argv = python_module(
             "torch.distributed.run", *request.torchrun_args, request.script, *request.script_args
         )
-        env = {ENV_GROUP: str(group), ENV_GROUPS: str(replicas.groups), ENV_LIGHTHOUSE: address, **quiet}
-        commands.append(LaunchCommand(host="localhost", argv=argv, env=env))
+        commands.append(
+            LaunchCommand(host="localhost", argv=argv, env={**group_env(group, replicas), **quiet})
+        )
     return commands
 
 
+def group_env(group: int, replicas: ReplicaPlan) -> dict[str, str]:
+    return {
+        ENV_GROUP: str(group),
+        ENV_GROUPS: str(replicas.groups),
+        ENV_LIGHTHOUSE: f"http://{replicas.lighthouse_host}:{replicas.lighthouse_port}",
+    }
+
+
+def group_requests(request: LaunchRequest, replicas: ReplicaPlan) -> list[LaunchRequest]:
+    """With ``-H``: each group's own multi-node request, its nodes a consecutive slice of the
+    hostfile's, its rendezvous on its first node, the group's variables shipped to its nodes."""
+    assert request.nodes
+    per_group = len(request.nodes) // replicas.groups
+    quiet = {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+    return [
+        dataclasses.replace(
+            request,
+            nodes=request.nodes[group * per_group : (group + 1) * per_group],
+            env={**quiet, **request.env, **group_env(group, replicas)},
+            rdzv_id=f"{request.rdzv_id}-group{group}" if request.rdzv_id else None,
+            ft_replicas=0,
+        )
+        for group in range(replicas.groups)
+    ]
+
+
+def encode_request(request: LaunchRequest) -> str:
+    return base64.b64encode(pickle.dumps(request)).decode()
+
+
+def decode_request(text: str) -> LaunchRequest:
+    request = pickle.loads(base64.b64decode(text))  # noqa: S301 - written by this user's sail launch
+    assert isinstance(request, LaunchRequest)
+    return request
+
+
+def _check(request: LaunchRequest, replicas: ReplicaPlan) -> None:
+    if request.nodes and request.launcher not in GROUP_LAUNCHERS:
+        raise LaunchError(
+            f"--ft-replicas with --launcher {request.launcher}",
+            "each replica group runs under torchrun agents of its own, which sail launch starts on "
+            "the group's nodes over ssh or pdsh",
+            "use --launcher ssh (the default with -H) or --launcher pdsh",
+        )
+    if not request.nodes and request.launcher != "local":
+        raise LaunchError(
+            f"--ft-replicas with --launcher {request.launcher} and no -H",
+            "replica groups run under torchrun agents that sail launch starts itself: on this "
+            "machine, or on a hostfile's nodes over ssh or pdsh",
+            "pass -H hostfile (the groups are spread over its nodes), or run on one machine with -n",
+        )
+    if not request.nodes:
+        return
+    nodes = len(request.nodes)
+    if nodes < replicas.groups or nodes % replicas.groups:
+        raise LaunchError(
+            f"--ft-replicas {replicas.groups} over {nodes} node(s)",
+            "every replica group runs on nodes of its own, the same number of nodes each",
+            f"give a multiple of {replicas.groups} nodes (one group per node: --ft-replicas {nodes}), "
+            "or run the groups on one machine without -H",
+        )
+    if request.rdzv_endpoint:
+        raise LaunchError(
+            f"--rdzv-endpoint {request.rdzv_endpoint} with --ft-replicas and -H",
+            "every replica group has a rendezvous of its own, on its first node",
+            "leave --rdzv-endpoint out (--master-port chooses the port)",
+        )
+
+
 def lighthouse_argv(replicas: ReplicaPlan) -> list[str]:
+    """The lighthouse listens only on the address the groups reach it at."""
     program = Path(sys.executable).parent / "torchft_lighthouse"
     return [
         str(program), "--min_replicas", "1", "--quorum_tick_ms", "100",
         "--join_timeout_ms", str(replicas.join_timeout_ms),
         "--heartbeat_timeout_ms", str(replicas.heartbeat_timeout_ms),
-        "--bind", f"127.0.0.1:{replicas.lighthouse_port}",
+        "--bind", f"{replicas.lighthouse_host}:{replicas.lighthouse_port}",
     ]  # fmt: skip
+
+
+def address_towards(hosts: list[str]) -> str:
+    """This machine's address on the route to the first of ``hosts`` reached through a
+    non-loopback address: where processes on those hosts reach a server of this machine."""
+    for host in hosts:
+        try:
+            infos = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)
+        except OSError:
+            continue
+        for *_, target in infos:
+            if str(target[0]).startswith("127."):
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                try:
+                    probe.connect(target)  # a UDP connect sends nothing; it picks the route
+                except OSError:
+                    continue
+                address = str(probe.getsockname()[0])
+            if not address.startswith("127."):
+                return address
+    raise LaunchError(
+        f"no route from this machine to any of {', '.join(hosts)} but loopback",
+        "with --ft-replicas -H, torchft's lighthouse runs here and the groups on the nodes must reach it",
+        "run sail launch on a machine of the cluster's network (e.g. the first node), with hostnames "
+        "that resolve there to the nodes' addresses",
+    )
 
 
 def free_port() -> int:
@@ -78,10 +195,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_replica_groups(commands: list[LaunchCommand]) -> int:
+def run_replica_groups(commands: list[LaunchCommand], restarts: int = 0) -> int:
     """Start the lighthouse and the groups; start the lighthouse again whenever it dies while a
-    group runs; pass signals on to the groups. Returns the first failing group's status (0: all
-    ended well)."""
+    group runs, and a group that failed (its agent or a node of it lost) up to ``restarts`` times
+    while another group runs (it heals from that group); pass signals on to the groups. Returns the
+    first failing group's status (0: all ended well)."""
     lighthouse_command, *groups = commands
     if not Path(lighthouse_command.argv[0]).exists():
         raise LaunchError(
@@ -91,6 +209,7 @@ def run_replica_groups(commands: list[LaunchCommand]) -> int:
         )
     lighthouse = _start(lighthouse_command)
     agents = [_start(command) for command in groups]
+    started = [1] * len(agents)
     received: list[int] = []
 
     def forward(signum: int, _frame: FrameType | None) -> None:
@@ -107,14 +226,28 @@ def run_replica_groups(commands: list[LaunchCommand]) -> int:
                     "torchft's lighthouse ended (status %s): starting it again", lighthouse.returncode
                 )
                 lighthouse = _start(lighthouse_command)
+            for group, agent in enumerate(agents):
+                others = any(a.poll() is None for g, a in enumerate(agents) if g != group)
+                if agent.returncode and not received and others and started[group] <= restarts:
+                    log.warning(
+                        "replica group %d ended with status %s while the others train: starting it "
+                        "again (%d of --max-restarts %d); it heals from a live group",
+                        group, agent.returncode, started[group], restarts,
+                    )  # fmt: skip
+                    agents[group] = _start(groups[group])
+                    started[group] += 1
             time.sleep(POLL_SECONDS)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        for agent in agents:
+        for agent in agents:  # only on an error here: the loop above waits for every group
             if agent.poll() is None:
-                agent.kill()
-                agent.wait()
+                agent.terminate()  # a group's own sail launch stops its nodes' processes
+                try:
+                    agent.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    agent.kill()
+                    agent.wait()
         lighthouse.terminate()
         try:
             lighthouse.wait(timeout=5)

@@ -173,6 +173,7 @@ def parse_request(argv: list[str]) -> LaunchRequest:
         dry_run=ns.dry_run,
         ft_replicas=_ft_replicas(ns.ft_replicas),
         ft_heartbeat_timeout=_positive("--ft-heartbeat-timeout", ns.ft_heartbeat_timeout),
+        max_restarts=int(ns.max_restarts),
     )
 
 

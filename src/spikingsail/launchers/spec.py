@@ -68,6 +68,9 @@ class LaunchRequest:
     ft_replicas: int = 0
     """``--ft-replicas``: replica groups recovering from each other through torchft (0: off)."""
     ft_heartbeat_timeout: float = 1.0
+    max_restarts: int = 0
+    """torchrun's ``--max-restarts``; with ``--ft-replicas`` also how often a group whose agent ended
+    is started again while other groups train."""
 
 
 def require_first_slots(request: LaunchRequest, launcher: str) -> None:

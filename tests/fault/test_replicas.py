@@ -197,6 +197,28 @@ def test_the_lighthouse_killed_mid_run_is_started_again_and_training_goes_on(tmp
     assert_trained_as_one_process(out, tmp_path)
 
 
+def test_a_groups_killed_agent_is_started_again_and_its_orphaned_worker_ends(tmp_path: Path) -> None:
+    """SIGKILL leaves a torchrun agent's workers running; group 1's worker ends itself, and sail
+    launch starts the group again, which heals from group 0."""
+    out = tmp_path / "run"
+    job = launch(out, "--step-sleep", "0.8", wait=False)
+    worker = _wait_for_worker(out, 1)
+    agent = int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    os.kill(agent, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:  # not reaped: a zombie
+        if Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        assert not Path(f"/proc/{worker}").exists(), "the worker outlived its agent by 10 s"
+    output = finish(job)
+    assert "replica group 1 ended with status -9" in output and "starting it again" in output
+    assert "replica group 1 in the job at step" in output
+    assert len(list(out.glob("ledger-1-*.jsonl"))) == 2
+    assert_trained_as_one_process(out, tmp_path)
+
+
 def test_a_group_alone_continues_from_the_furthest_checkpoint_of_any_group(tmp_path: Path) -> None:
     """A group that starts when no other is alive (its peer finished or died) resumes the newest
     checkpoint any group wrote, not step 0, and trains on with the whole global batch."""

@@ -25,16 +25,16 @@ def parser() -> argparse.ArgumentParser:
     )
     commands = p.add_subparsers(dest="action", required=True, metavar="{ls,verify,export}")
     ls = commands.add_parser("ls", help="the checkpoints: tag, step, world size, backend, size")
-    ls.add_argument("directory", type=Path)
+    ls.add_argument("directory", type=Path, help="the run's checkpoint directory")
     verify = commands.add_parser("verify", help="check every file against the checkpoint's manifest")
-    verify.add_argument("directory", type=Path)
+    verify.add_argument("directory", type=Path, help="the run's checkpoint directory")
     verify.add_argument("--tag", help="one checkpoint (default: all of them)")
     out = commands.add_parser(
         "export",
         help="write the model's weights as one state dict (.safetensors or .pt), FSDP shards and "
         "ZeRO partitions gathered",
     )
-    out.add_argument("directory", type=Path)
+    out.add_argument("directory", type=Path, help="the run's checkpoint directory")
     out.add_argument("--tag", help="the checkpoint (default: the latest that verifies)")
     out.add_argument("--out", type=Path, required=True, help="model.safetensors, or model.pt / .pth / .bin")
     out.add_argument("--dtype", choices=sorted(export.DTYPES), default="float32",

@@ -55,6 +55,9 @@ def parser() -> argparse.ArgumentParser:
     p = get_args_parser()
     p.prog = "sail launch"
     p.description = "Start a training script under torchrun's elastic agent, here or on many nodes."
+    for action in p._actions:  # torchrun's parser leaves its script's arguments undescribed
+        if action.dest == "training_script_args":
+            action.help = "the training script's own arguments"
     own = p.add_argument_group("SpikingSail")
     own.add_argument("-n", dest="nproc_per_node", default=argparse.SUPPRESS, help="same as --nproc-per-node")
     own.add_argument(

@@ -151,7 +151,7 @@ def parser() -> argparse.ArgumentParser:
         description="Write an sbatch script that runs a training script on SLURM, and submit it.",
         allow_abbrev=False,
     )
-    p.add_argument("-N", "--nodes", type=int, default=1)
+    p.add_argument("-N", "--nodes", type=int, default=1, help="nodes to allocate (#SBATCH --nodes)")
     p.add_argument(
         "--gpus-per-node",
         "--gpus-per-task",
@@ -160,13 +160,13 @@ def parser() -> argparse.ArgumentParser:
         help="GPUs per node (torchrun mode: the one task's --gpus-per-task)",
     )
     p.add_argument("--nproc-per-node", type=int, help="processes per node (default: the GPUs per node, or 1)")
-    p.add_argument("-c", "--cpus-per-task", type=int)
-    p.add_argument("-p", "--partition")
-    p.add_argument("-t", "--time")
-    p.add_argument("-A", "--account")
-    p.add_argument("-J", "--job-name")
+    p.add_argument("-c", "--cpus-per-task", type=int, help="#SBATCH --cpus-per-task")
+    p.add_argument("-p", "--partition", help="#SBATCH --partition")
+    p.add_argument("-t", "--time", help="time limit, in SLURM's forms (4:00:00, 1-0); #SBATCH --time")
+    p.add_argument("-A", "--account", help="#SBATCH --account")
+    p.add_argument("-J", "--job-name", help="#SBATCH --job-name (default: the script's name without .py)")
     p.add_argument("-o", "--output", help="sbatch output path (default: JOB_NAME-%%j.out)")
-    p.add_argument("-e", "--error")
+    p.add_argument("-e", "--error", help="sbatch error path (default: with the output)")
     p.add_argument(
         "--sbatch-arg",
         action="append",
@@ -187,7 +187,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="with --requeue: how long before the time limit SLURM signals the job (default 120)",
     )
-    p.add_argument("--dist-init-method", choices=DIST_INIT_METHODS, default="torchrun")
+    p.add_argument(
+        "--dist-init-method",
+        choices=DIST_INIT_METHODS,
+        default="torchrun",
+        help="torchrun: srun starts one torchrun agent per node; slurm: one srun task per process, "
+        "ranks from SLURM_PROCID (default torchrun)",
+    )
     p.add_argument("--max-restarts", type=int, help="torchrun's --max-restarts")
     p.add_argument(
         "--master-port", type=int, help="rendezvous port (default: derived from the job id, checked free)"
@@ -195,8 +201,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--script-path", help="where to write the sbatch script (default: JOB_NAME.sbatch)")
     p.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     p.add_argument("--wait", action="store_true", help="wait for the job and exit with its status")
-    p.add_argument("script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="the training script's own arguments")
     return p
 
 

@@ -172,7 +172,10 @@ class FaultToleranceConfig:
     timeout_seconds: float = ranged(60.0, Range(0, FLOAT32_MAX, low_open=True, fix="e.g. 60"))
     """A cross-group all-reduce, the commit vote and a healing transfer wait this long."""
     quorum_timeout_seconds: float = ranged(60.0, Range(0, FLOAT32_MAX, low_open=True, fix="e.g. 60"))
+    """How long a replica group waits for the lighthouse to form a step's quorum (torchft's quorum_timeout)."""
     connect_timeout_seconds: float = ranged(60.0, Range(0, FLOAT32_MAX, low_open=True, fix="e.g. 60"))
+    """How long a replica group waits to connect to the lighthouse and to the other groups (torchft's
+    connect_timeout)."""
     quorum_retries: int = ranged(3, Range(0, integer=True, fix="e.g. 3"))
     """Quorum attempts that may fail (a lighthouse restarting) before the replica gives up."""
 
@@ -221,15 +224,22 @@ class SailConfig:
     """A validated config with the batch-size triple resolved for one world size."""
 
     train_batch_size: int
+    """The global batch per optimizer step: train_micro_batch_size_per_gpu × gradient_accumulation_steps
+    × world_size; of the three batch keys, any two imply the third."""
     train_micro_batch_size_per_gpu: int
+    """The batch each process takes per micro-step (one forward and backward)."""
     gradient_accumulation_steps: int
+    """Micro-steps per optimizer step (1 when only one batch key is given)."""
     world_size: int
+    """The number of processes the batch sizes were resolved for."""
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
     gradient_clipping: float = ranged(0.0, _CLIPPING)
+    """The largest global gradient norm: gradients are scaled down to it before each step (0 = off)."""
     steps_per_print: int = ranged(10, Range(1, integer=True))
+    """Log a line (or update the progress bar) every this many optimizer steps."""
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     snn: SNNConfig = field(default_factory=SNNConfig)

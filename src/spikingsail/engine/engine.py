@@ -65,6 +65,10 @@ LRScheduler = Any  # torch LRScheduler or one of spikingsail.optim.schedulers: a
 
 
 class Engine:
+    """The training loop's one object, what ``SpikingSail(args, model, optimizer).run()`` returns: the
+    model wrapped by the chosen backend, called as ``engine(batch)``, with ``backward``, ``step``, a
+    sharded ``dataloader``, checkpoints and the trained model out; the same calls on every backend."""
+
     def __init__(
         self,
         *,

@@ -273,6 +273,14 @@ def test_launch_plans_the_lighthouse_and_one_agent_per_group(tmp_path: Path) -> 
         assert command.argv[-3:] == [str(script), "--lr", "1"]
 
 
+def test_the_lighthouse_address_is_this_machines_towards_the_nodes() -> None:
+    from spikingsail.launchers.replicas import address_towards
+
+    assert address_towards(["localhost", "127.0.0.2"]) == "127.0.0.1"  # nodes on this machine's loopback
+    with pytest.raises(LaunchError, match="do not resolve here"):
+        address_towards(["no-such-node.invalid"])
+
+
 def test_launch_spreads_the_groups_over_the_hostfile_nodes(tmp_path: Path) -> None:
     """With -H each group is the multi-node job of a slice of the nodes, with its own rendezvous,
     and the lighthouse listens on the address the nodes reach this machine at."""

@@ -164,15 +164,19 @@ def lighthouse_argv(replicas: ReplicaPlan) -> list[str]:
 
 def address_towards(hosts: list[str]) -> str:
     """This machine's address on the route to the first of ``hosts`` reached through a
-    non-loopback address: where processes on those hosts reach a server of this machine."""
+    non-loopback address: where processes on those hosts reach a server of this machine
+    (loopback when every host is this machine's loopback)."""
+    loopback = True
     for host in hosts:
         try:
             infos = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)
         except OSError:
+            loopback = False
             continue
         for *_, target in infos:
             if str(target[0]).startswith("127."):
                 continue
+            loopback = False
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
                 try:
                     probe.connect(target)  # a UDP connect sends nothing; it picks the route
@@ -181,8 +185,11 @@ def address_towards(hosts: list[str]) -> str:
                 address = str(probe.getsockname()[0])
             if not address.startswith("127."):
                 return address
+    if loopback:
+        return "127.0.0.1"
     raise LaunchError(
-        f"no route from this machine to any of {', '.join(hosts)} but loopback",
+        f"no address of this machine towards the nodes ({', '.join(hosts)}): they do not resolve here, "
+        "or have no route but loopback",
         "with --ft-replicas -H, torchft's lighthouse runs here and the groups on the nodes must reach it",
         "run sail launch on a machine of the cluster's network (e.g. the first node), with hostnames "
         "that resolve there to the nodes' addresses",

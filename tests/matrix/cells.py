@@ -25,6 +25,12 @@ torchft's quorum, the cross-group all-reduce and vote, per-group checkpoints).""
 BALANCES = ("off", "3:1")
 """sail.balance: equal micro-batches, or rank 0 taking three quarters of every global micro-batch
 (a resume takes the other split, 1:3, or none on one process)."""
+MODELS = ("mlp", "snn")
+"""The matrix job's MLP, or the same layers as a spiking network: a LIF neuron (spikingjelly, surrogate
+gradient) after the hidden layer, multi-step over ``SNN_TIME_STEPS`` steps of the repeated input,
+trained with ``snn.time_chunk: 2`` (each forward checkpointed in chunks of 2 steps and recomputed chunk
+by chunk in backward; the neuron state reset before every forward)."""
+SNN_TIME_STEPS = 4
 WORLD = 2
 STEPS = 6
 STOP_STEP = 3
@@ -65,13 +71,15 @@ class Cell:
     interruption: str
     balance: str = "off"
     topology: str = "ranks"
+    model: str = "mlp"
 
     @property
     def id(self) -> str:
         balance = "" if self.balance == "off" else f"-balance{self.balance.replace(':', '')}"
         topology = "" if self.topology == "ranks" else f"-{self.topology}"
+        model = "" if self.model == "mlp" else f"-{self.model}"
         return (f"{self.backend}-{self.precision}-acc{self.accumulation}-{self.scheduler}-{self.interruption}"
-                f"{balance}{topology}")  # fmt: skip
+                f"{balance}{topology}{model}")  # fmt: skip
 
     @classmethod
     def parse(cls, text: str) -> Cell:
@@ -115,14 +123,14 @@ def all_cells() -> list[Cell]:
     cells = [
         Cell(*combination)
         for combination in itertools.product(
-            BACKENDS, PRECISIONS, ACCUMULATIONS, SCHEDULERS, INTERRUPTIONS, BALANCES, TOPOLOGIES
+            BACKENDS, PRECISIONS, ACCUMULATIONS, SCHEDULERS, INTERRUPTIONS, BALANCES, TOPOLOGIES, MODELS
         )
     ]
     # a window to save inside needs an accumulation of more than one micro-step
     return [c for c in cells if not (c.interruption == "window" and c.accumulation == 1)]
 
 
-AXES = ("backend", "interruption", "balance", "topology")
+AXES = ("backend", "interruption", "balance", "topology", "model")
 """Every value of these axes is in every sample."""
 
 

@@ -24,7 +24,7 @@ import spikingsail
 from spikingsail.data.sampler import split_batch
 from spikingsail.errors import SailError
 from tests.device_copy import copying_device_moves
-from tests.matrix.cells import STEPS, STOP_STEP
+from tests.matrix.cells import SNN_TIME_STEPS, STEPS, STOP_STEP
 
 MICRO = 4
 
@@ -48,12 +48,29 @@ def config(spec: dict[str, Any], accumulation: int, checkpoints: str | None, pha
     if spec["balance"] != "off" and ranks > 1:
         weights = [int(w) for w in spec["balance"].split(":")]
         cfg["sail"]["balance"] = weights[::-1] if checkpoints and phase == "resume" else weights
+    if spec["model"] == "snn":
+        chunk = 0 if spec.get("whole_time") else 2  # the reference runs whole
+        cfg["snn"] = {"step_mode": "m", "time_steps": SNN_TIME_STEPS, "time_chunk": chunk}
     if spec["scheduler"] == "config":
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1,
                                                            "warmup_num_steps": 4, "warmup_type": "linear"}}  # fmt: skip
     if spec["interruption"] == "sigkill" and checkpoints:
         cfg["checkpoint"] = {"path": checkpoints, "interval_steps": STOP_STEP}
     return cfg
+
+
+def model(kind: str) -> torch.nn.Module:
+    """The MLP, or the same layers with a multi-step LIF neuron in place of the tanh (cells.MODELS)."""
+    if kind == "mlp":
+        return torch.nn.Sequential(torch.nn.Linear(6, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3))
+    from spikingjelly.activation_based import functional, layer, neuron, surrogate
+
+    net = torch.nn.Sequential(
+        layer.Linear(6, 24), neuron.LIFNode(tau=2.0, v_threshold=0.5, surrogate_function=surrogate.ATan(), detach_reset=True),
+        layer.Linear(24, 3),
+    )  # fmt: skip
+    functional.set_step_mode(net, "m")
+    return net
 
 
 def whole(param: torch.Tensor) -> torch.Tensor:
@@ -76,7 +93,7 @@ def _run(
     spec: dict[str, Any], accumulation: int, phase: str, checkpoints: str | None
 ) -> dict[str, Any] | None:
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(6, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3))
+    net = model(spec["model"])
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     scheduler = None
     if spec["scheduler"] == "client":
@@ -98,7 +115,8 @@ def _run(
             if engine.replicas is not None:  # the shares follow the groups taking part in the step
                 share = engine._replica_loader.share[0]
             assert len(x) == share, f"rank {engine.rank} got {len(x)} samples, its share is {share}"
-            engine.backward(F.cross_entropy(engine(x).float(), y))
+            out = engine(engine.encode(x)).mean(0) if spec["model"] == "snn" else engine(x)
+            engine.backward(F.cross_entropy(out.float(), y))
             engine.step()
             if phase == "first" and engine.micro_steps == stop:
                 if spec["interruption"] == "sigkill":

@@ -18,14 +18,16 @@ from tests.matrix.job import run
 from tests.multiprocess import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
-_references: dict[tuple[str, int, str], dict[str, Any]] = {}
+_references: dict[tuple[str, int, str, str], dict[str, Any]] = {}
 
 
 def reference(cell: Cell) -> dict[str, Any]:
-    """One process, plain DDP backend, the same global batch (each micro-batch the size of a rank's)."""
-    key = (cell.precision, cell.accumulation, cell.scheduler)
+    """One process, plain DDP backend, the same global batch (each micro-batch the size of a rank's);
+    a spiking model runs its whole T steps in one piece there, without time chunks."""
+    key = (cell.precision, cell.accumulation, cell.scheduler, cell.model)
     if key not in _references:
-        spec = {**Cell("ddp", cell.precision, cell.accumulation, cell.scheduler, "none").spec()}
+        plain = Cell("ddp", cell.precision, cell.accumulation, cell.scheduler, "none", model=cell.model)
+        spec = {**plain.spec(), "whole_time": True}
         result = run_ranks(run, 1, spec, cell.accumulation * WORLD, "straight", None)[0]
         assert result is not None and "params" in result, result
         _references[key] = result

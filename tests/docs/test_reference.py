@@ -1,0 +1,98 @@
+"""The reference pages are generated from the code, and cover all of it: every config key, every flag
+of every ``sail`` subcommand, every public name, every cell of the differential matrix."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+import spikingsail
+from spikingsail.backends import config_sections
+from spikingsail.cli import main
+from spikingsail.config import parse
+from tests.docs.site import reference
+from tests.matrix.cells import all_cells
+
+
+def test_every_config_key_has_a_row_with_a_description() -> None:
+    ref = reference()
+    rows = ref.config_rows()
+    undescribed = [row.name for row in rows if not row.description.strip()]
+    assert not undescribed, f"config keys without a description (a docstring under the field): {undescribed}"
+    names = {row.name for row in rows}
+    top = {name.split(".")[0] for name in names}
+    accepted = parse.TOP_LEVEL_KEYS | parse.INERT_DEEPSPEED_KEYS | config_sections().keys()
+    assert accepted <= top, f"keys the parser accepts missing from the reference: {accepted - top}"
+    sections = {**{k: cls for k, (cls, _) in parse._SECTIONS.items() if k != "bfloat16"}, **config_sections()}
+    for section, cls in sections.items():
+        for spec in dataclasses.fields(cls):
+            assert f"{section}.{spec.name}" in names
+
+
+def test_the_key_table_shows_types_defaults_and_ranges() -> None:
+    rows = {row.name: row for row in reference().config_rows()}
+    assert rows["sail.dist_backend"].allowed == '"auto", "nccl", "gloo"'
+    assert rows["sail.dist_backend"].default == '"auto"'
+    assert rows["sail.timeout_minutes"].default == "30.0"
+    assert rows["sail.seed"].allowed == "an integer from 0 to 2**32-1"
+    assert (rows["fp16.enabled"].allowed, rows["fp16.enabled"].default) == ("true | false", "false")
+    assert rows["sail.trackers"].kind == "list[str]"
+    assert rows["horovod.op"].allowed.endswith("(any case)")
+
+
+def test_a_field_without_a_docstring_is_found() -> None:
+    @dataclasses.dataclass
+    class Section:
+        documented: int = 1
+        """Has one."""
+        bare: int = 2
+
+    assert reference().field_docs(Section) == {"documented": "Has one."}
+
+
+def test_every_sail_command_is_in_the_reference() -> None:
+    assert reference().commands_covered() == set(main._COMMANDS)
+
+
+@pytest.mark.parametrize("command", list(reference().cli_parsers()))
+def test_every_flag_has_a_description(command: str) -> None:
+    ref = reference()
+    rows = ref.flag_rows(ref.cli_parsers()[command])
+    assert rows, f"{command}: no flags read from its parser"
+    assert not [row.name for row in rows if not row.description.strip()], f"{command}: flags without help"
+
+
+def test_the_launch_reference_has_torchruns_flags_and_ours() -> None:
+    ref = reference()
+    names = {row.name for row in ref.flag_rows(ref.cli_parsers()["sail launch"])}
+    assert {"--nproc-per-node, --nproc_per_node", "-H, --hostfile", "--dry-run"} <= names
+
+
+def test_every_public_name_has_a_docstring_and_a_section() -> None:
+    ref = reference()
+    missing = [name for name in spikingsail.__all__ if not inspect.getdoc(getattr(spikingsail, name))]
+    assert not missing, f"public names without a docstring: {missing}"
+    page = ref.api_markdown()
+    for name, path in ref.public_names().items():
+        assert f"::: {path}\n" in page, name
+
+
+def test_the_matrix_reference_counts_every_cell_once() -> None:
+    page = reference().matrix_markdown()
+    counts = [
+        int(line.split("|")[1])
+        for line in page.splitlines()
+        if line.startswith("| ") and line.split("|")[1].strip().isdigit()
+    ]
+    assert sum(counts) == len(all_cells())
+    assert f"{len(all_cells())} cells" in page
+    assert "which backend deepspeed does not support" in page
+
+
+def test_the_marker_is_replaced_and_an_unknown_one_fails() -> None:
+    ref = reference()
+    assert "`sail.backend`" in ref.render("# Config\n\n<!-- reference: config -->\n")
+    with pytest.raises(KeyError):
+        ref.render("<!-- reference: nothing -->")

@@ -208,27 +208,55 @@ def flag_rows(parser: argparse.ArgumentParser) -> list[Row]:
 # --- differential matrix -----------------------------------------------------------------------
 
 
+def _constant_docs(module: Any) -> dict[str, str]:
+    """The docstrings written under a module's constants."""
+    body = ast.parse(inspect.getsource(module)).body
+    docs = {}
+    for node, following in zip(body, [*body[1:], None], strict=True):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.targets[0], ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.targets[0].id] = " ".join(following.value.value.split())
+    return docs
+
+
+def matrix_axes() -> dict[str, tuple[list[str], str]]:
+    """Every field of a matrix cell, with the values it takes in the cells and the docstring of the
+    constant that lists them (``topology`` → ``TOPOLOGIES``)."""
+    from tests.matrix import cells
+
+    every = cells.all_cells()
+    docs = _constant_docs(cells)
+    axes = {}
+    for spec in dataclasses.fields(cells.Cell):
+        values = list(dict.fromkeys(str(getattr(cell, spec.name)) for cell in every))
+        if spec.name == "backend":
+            values = [f"`{n}` (sail.backend {b}, ZeRO stage {s})" for n, (b, s) in cells.BACKENDS.items()]
+        plural = spec.name.upper()
+        names = (plural + "S", plural[:-1] + "IES", plural + "ES")
+        axes[spec.name] = (values, next((docs[n] for n in names if n in docs), ""))
+    return axes
+
+
 def matrix_markdown() -> str:
     from tests.matrix import cells
 
-    axes = {
-        "backend": [f"`{n}` (sail.backend {b}, ZeRO stage {s})" for n, (b, s) in cells.BACKENDS.items()],
-        "precision": list(cells.PRECISIONS),
-        "accumulation": [str(a) for a in cells.ACCUMULATIONS],
-        "scheduler": list(cells.SCHEDULERS),
-        "interruption": list(cells.INTERRUPTIONS),
-        "balance": list(cells.BALANCES),
-        "topology": list(cells.TOPOLOGIES),
-    }
     every = cells.all_cells()
     lines = [
         f"{len(every)} cells: {cells.WORLD} ranks, {cells.STEPS} optimizer steps, interrupted cells stop "
         f"after step {cells.STOP_STEP}. Each runs with `python -m tests.matrix --cell ID`; CI runs a "
         f"seeded sample of {cells.SAMPLE_SIZE} that covers every value of {', '.join(cells.AXES)}.",
         "",
-        "| axis | values |",
-        "| --- | --- |",
-        *(f"| {axis} | {', '.join(values)} |" for axis, values in axes.items()),
+        "| axis | values | what they are |",
+        "| --- | --- | --- |",
+        *(
+            f"| {axis} | {', '.join(values)} | {_cell(why)} |"
+            for axis, (values, why) in matrix_axes().items()
+        ),
         "",
         "What each cell guarantees (grouped; the count is the number of cells):",
         "",

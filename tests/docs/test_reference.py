@@ -13,7 +13,7 @@ from spikingsail.backends import config_sections
 from spikingsail.cli import main
 from spikingsail.config import parse
 from tests.docs.site import reference
-from tests.matrix.cells import all_cells
+from tests.matrix.cells import Cell, all_cells
 
 
 def test_every_config_key_has_a_row_with_a_description() -> None:
@@ -89,6 +89,14 @@ def test_the_matrix_reference_counts_every_cell_once() -> None:
     assert sum(counts) == len(all_cells())
     assert f"{len(all_cells())} cells" in page
     assert "which backend deepspeed does not support" in page
+
+
+def test_the_matrix_reference_has_every_axis_of_a_cell() -> None:
+    axes = reference().matrix_axes()
+    assert list(axes) == [spec.name for spec in dataclasses.fields(Cell)]
+    for axis, (values, _) in axes.items():
+        assert len(values) == len({getattr(cell, axis) for cell in all_cells()}), axis
+    assert axes["topology"][1].startswith("2 gloo ranks of one job")
 
 
 def test_the_marker_is_replaced_and_an_unknown_one_fails() -> None:

@@ -353,5 +353,14 @@ def render(markdown: str) -> str:
     return MARKER.sub(lambda m: GENERATORS[m.group(1)](), markdown)
 
 
+def on_config(config: typing.Any, **_: typing.Any) -> typing.Any:
+    """Every page's footer names the version the site documents: the one in this checkout."""
+    _importable()
+    from spikingsail import __version__
+
+    config["copyright"] = f"SpikingSail {__version__}: built from the source of this version"
+    return config
+
+
 def on_page_markdown(markdown: str, **_: typing.Any) -> str:
     return render(markdown)

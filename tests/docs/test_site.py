@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+import spikingsail
 from tests.docs.site import build
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -62,6 +63,14 @@ def test_the_built_pages_load_nothing_from_the_network(site: Path) -> None:
         "the offline plugin's inlined search index is missing"
     )
     assert (site / "reference" / "config.html").is_file()
+
+
+def test_every_page_names_the_version_it_documents(site: Path) -> None:
+    stamp = f"SpikingSail {spikingsail.__version__}: built from the source of this version"
+    unstamped = [
+        str(page.relative_to(site)) for page in site.rglob("*.html") if stamp not in page.read_text()
+    ]
+    assert not unstamped, f"pages without the version: {unstamped}"
 
 
 @pytest.mark.parametrize("page", ["index.html", "reference/config.html"])

@@ -147,6 +147,7 @@ class Engine:
         return self.forward(*inputs, **kwargs)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The wrapped model's forward (what ``engine(batch)`` calls), with the inputs moved to ``engine.device`` and the backend's precision and spiking-neuron handling around it."""
         self.heartbeat.enter(FORWARD)
         if self._move_inputs:
             inputs, kwargs = map_tensors((inputs, kwargs), lambda t: t.to(self.device, non_blocking=True))
@@ -476,58 +477,73 @@ class Engine:
 
     @property
     def micro_steps(self) -> int:
+        """Micro-steps (forward and backward passes) taken so far."""
         return self.counters.micro_steps
 
     @property
     def global_steps(self) -> int:
+        """Optimizer steps taken so far (skipped fp16 overflow steps included)."""
         return self.counters.global_steps
 
     @property
     def global_samples(self) -> int:
+        """Samples trained on so far, over all ranks."""
         return self.counters.global_samples
 
     @property
     def skipped_steps(self) -> int:
+        """Optimizer steps skipped because fp16 gradients overflowed."""
         return self.counters.skipped_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next ``step()`` ends an accumulation window and steps the optimizer."""
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step (the config's ``gradient_accumulation_steps``)."""
         return self.config.gradient_accumulation_steps
 
     def train_batch_size(self) -> int:
+        """The global batch per optimizer step (the config's ``train_batch_size``)."""
         return self.config.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
+        """The batch each process takes per micro-step (the config's ``train_micro_batch_size_per_gpu``)."""
         return self.config.train_micro_batch_size_per_gpu
 
     def get_lr(self) -> list[float]:
+        """The learning rate of every parameter group of the optimizer."""
         return [float(group["lr"]) for group in self.optimizer.param_groups]
 
     @property
     def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
         return self.backend.loss_scale
 
     @property
     def rank(self) -> int:
+        """This process's rank in the job."""
         return self.rank_info.rank
 
     @property
     def local_rank(self) -> int:
+        """This process's rank on its node."""
         return self.rank_info.local_rank
 
     @property
     def world_size(self) -> int:
+        """The number of processes in the job."""
         return self.rank_info.world_size
 
     def train(self, mode: bool = True) -> Engine:
+        """Put the model in training mode (or evaluation mode with ``mode=False``), as ``nn.Module.train``."""
         if mode != self.wrapped_module.training:
             self.snn.on_mode_change()
         self.wrapped_module.train(mode)
         return self
 
     def eval(self) -> Engine:
+        """Put the model in evaluation mode, as ``nn.Module.eval``."""
         return self.train(False)
 
     # -- data and lifetime ---------------------------------------------------------------------
@@ -811,6 +827,7 @@ class Engine:
         return merged_state_dict(self.state_parts())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what ``state_dict()`` returned: the model, optimizer and every stateful part of the engine."""
         for part in self.state_parts().values():
             part.load_state_dict(state_dict)
 

@@ -103,6 +103,9 @@ class SpikingSail:
         self.config = config
 
     def run(self) -> tuple[Engine, torch.optim.Optimizer]:
+        """Build the engine from the parsed arguments: the config they name (``--sail-config`` or
+        ``--deepspeed_config``), ``--checkpoints-path`` and ``--resume``; returns ``(engine, optimizer)``
+        as ``initialize`` does."""
         report_sail_errors()
         source = _config_from_args(self.args, self.config)
         local_rank = getattr(self.args, "local_rank", None)

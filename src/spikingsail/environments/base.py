@@ -79,13 +79,16 @@ class RankInfo:
 
     @property
     def distributed(self) -> bool:
+        """More than one process."""
         return self.world_size > 1
 
     @property
     def is_rank_zero(self) -> bool:
+        """Whether this process is rank 0."""
         return self.rank == 0
 
     def init_method(self) -> str:
+        """The rendezvous as a URL, ``tcp://MASTER_ADDR:MASTER_PORT``."""
         return f"tcp://{self.master_addr}:{self.master_port}"
 
 

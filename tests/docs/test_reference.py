@@ -4,6 +4,7 @@ of every ``sail`` subcommand, every public name, every cell of the differential 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 
 import pytest
@@ -74,6 +75,16 @@ def test_every_public_name_has_a_docstring_and_a_section() -> None:
     ref = reference()
     missing = [name for name in spikingsail.__all__ if not inspect.getdoc(getattr(spikingsail, name))]
     assert not missing, f"public names without a docstring: {missing}"
+    members = [
+        f"{name}.{member}"
+        for name in spikingsail.__all__
+        if inspect.isclass(cls := getattr(spikingsail, name))
+        for member, value in vars(cls).items()
+        if not member.startswith("_")
+        and (callable(value) or isinstance(value, property | functools.cached_property))
+        and not inspect.getdoc(value.fget if isinstance(value, property) else value)
+    ]
+    assert not members, f"public methods and properties without a docstring: {members}"
     page = ref.api_markdown()
     for name, path in ref.public_names().items():
         assert f"::: {path}\n" in page, name

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import re
 
 import pytest
 
@@ -14,6 +15,7 @@ from spikingsail.backends import config_sections
 from spikingsail.cli import main
 from spikingsail.config import parse
 from tests.docs.site import reference
+from tests.docs.snippets import ROOT, pages
 from tests.matrix.cells import Cell, all_cells
 
 
@@ -115,3 +117,21 @@ def test_the_marker_is_replaced_and_an_unknown_one_fails() -> None:
     assert "`sail.backend`" in ref.render("# Config\n\n<!-- reference: config -->\n")
     with pytest.raises(KeyError):
         ref.render("<!-- reference: nothing -->")
+
+
+_DOTTED_KEY = re.compile(
+    r"`((?:sail|snn|checkpoint|fp16|bf16|fault_tolerance|horovod|zero_optimization)\.[A-Za-z_*]+)`"
+)
+
+
+def test_every_config_key_a_page_names_exists() -> None:
+    """Prose and hand-made tables name keys too: each one must be a key the parser accepts (``prefix_*``
+    stands for the keys that start so)."""
+    keys = {row.name for row in reference().config_rows()}
+    unknown = set()
+    for page in pages():
+        for name in _DOTTED_KEY.findall(page.read_text()):
+            wildcard = name.endswith("*") and any(k.startswith(name.rstrip("*").rstrip(".")) for k in keys)
+            if name not in keys and not wildcard:
+                unknown.add(f"{page.relative_to(ROOT)}: `{name}`")
+    assert not unknown, "pages name config keys that do not exist:\n" + "\n".join(sorted(unknown))

@@ -135,3 +135,32 @@ def test_every_config_key_a_page_names_exists() -> None:
             if name not in keys and not wildcard:
                 unknown.add(f"{page.relative_to(ROOT)}: `{name}`")
     assert not unknown, "pages name config keys that do not exist:\n" + "\n".join(sorted(unknown))
+
+
+def _sail_commands(text: str) -> list[str]:
+    """The sail command lines of a page: inline code, and lines of code blocks."""
+    inline = re.findall(r"`(sail [a-z][^`]*)`", text)
+    lines = [line.strip() for line in text.splitlines() if re.match(r"\s*sail [a-z]+(?: |$)", line)]
+    return [command.split("#")[0].replace("\\", " ") for command in inline + lines]
+
+
+def test_every_sail_flag_a_page_uses_exists() -> None:
+    """The flags before the script in every ``sail ...`` command a page shows are flags of that
+    command's parser (``sail doctor`` and ``sail bench comm`` also take ``sail launch``'s)."""
+    parsers = {name: p for name, p in reference().cli_parsers().items() if name.startswith("sail ")}
+    launch = set(parsers["sail launch"]._option_string_actions)
+    unknown = set()
+    for page in pages():
+        for command in _sail_commands(page.read_text()):
+            words = command.split()
+            name = max((n for n in parsers if words[: len(n.split())] == n.split()), key=len, default=None)
+            assert name, f"{page.relative_to(ROOT)}: `{command}` is no sail command"
+            known = set(parsers[name]._option_string_actions)
+            if name in ("sail doctor", "sail bench comm"):
+                known |= launch
+            for word in words[len(name.split()) :]:
+                if word.endswith(".py") or word in ("-m", "...", "…"):
+                    break  # the script, and its own arguments after it
+                if word.startswith("-") and word.split("=")[0] not in known:
+                    unknown.add(f"{page.relative_to(ROOT)}: {word} in `{command.strip()}`")
+    assert not unknown, "pages use sail flags that do not exist:\n" + "\n".join(sorted(unknown))

@@ -18,3 +18,12 @@ def test_every_link_of_the_readme_reaches_a_file() -> None:
     assert local, "the README links into no page of the site"
     missing = [link for link in local if not (ROOT / link).is_file()]
     assert not missing, f"README links to files that do not exist: {missing}"
+
+
+def test_every_test_the_feature_table_names_exists() -> None:
+    table = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| ")]
+    named = [path for line in table for path in re.findall(r"`(tests/[^`]+)`", line)]
+    assert len(named) >= 10, "the feature table names no test for some rows"
+    assert not [path for path in named if not (ROOT / path).exists()], (
+        "the feature table names tests that do not exist"
+    )

@@ -29,7 +29,11 @@ MODELS = ("mlp", "snn")
 """The matrix job's MLP, or the same layers as a spiking network: a LIF neuron (spikingjelly, surrogate
 gradient) after the hidden layer, multi-step over ``SNN_TIME_STEPS`` steps of the repeated input,
 trained with ``snn.time_chunk: 2`` (each forward checkpointed in chunks of 2 steps and recomputed chunk
-by chunk in backward; the neuron state reset before every forward)."""
+by chunk in backward; the neuron state reset before every forward). Spiking cells are fp32 only: a
+bf16 rounding that moves a membrane potential across the threshold flips a spike, which no elementwise
+tolerance bounds (DeepSpeed's bf16 model, with bf16 weights and potentials, flipped one within 6 steps
+and moved one weight by 0.007, 29% of it); tests/snn/test_chunking.py compares a bf16 spiking run
+(ddp, chunked against whole) on its own."""
 SNN_TIME_STEPS = 4
 WORLD = 2
 STEPS = 6
@@ -126,8 +130,11 @@ def all_cells() -> list[Cell]:
             BACKENDS, PRECISIONS, ACCUMULATIONS, SCHEDULERS, INTERRUPTIONS, BALANCES, TOPOLOGIES, MODELS
         )
     ]
-    # a window to save inside needs an accumulation of more than one micro-step
-    return [c for c in cells if not (c.interruption == "window" and c.accumulation == 1)]
+    # a window to save inside needs an accumulation of more than one micro-step; spiking cells are fp32
+    return [
+        c for c in cells
+        if not (c.interruption == "window" and c.accumulation == 1) and not (c.model == "snn" and c.precision != "fp32")
+    ]  # fmt: skip
 
 
 AXES = ("backend", "interruption", "balance", "topology", "model")

@@ -12,10 +12,13 @@ rank waited for the others at the end of backward (``ComputeTimer``), so that a 
 for a slow one does not count as work. After a warm-up step it measures ``MEASURE_STEPS`` optimizer
 steps, splits in proportion to the ranks' samples per second of compute over those steps, and
 keeps watching: when a rank's share of the total speed moves by more than
-``rebalance_factor`` over the last ``MEASURE_STEPS`` steps, it splits again. Every rank decides from
-the same all-reduced numbers, so the split changes at the same step everywhere. Backends whose
-ranks also wait for each other inside forward and backward (FSDP's all-gathers) would hide the
-difference there; they take fixed weights only.
+``rebalance_factor`` over the last ``MEASURE_STEPS`` steps, it splits again. In the
+``REFINE_WINDOWS`` windows after a change it also takes the split the new window's speeds give when
+that moves a share by more than ``REFINE_TOLERANCE`` of the global micro-batch: a rank's speed per
+sample, measured at one share, need not hold at another, and the split converges on even times.
+Every rank decides from the same all-reduced numbers, so the split changes at the same step
+everywhere. Backends whose ranks also wait for each other inside forward and backward (FSDP's
+all-gathers) would hide the difference there; they take fixed weights only.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ log = logging.getLogger(__name__)
 
 WARMUP_STEPS = 1
 MEASURE_STEPS = 8
+REFINE_WINDOWS = 2
+"""Measurement windows after a change of split in which a better-even split is taken (``_closer``)."""
+REFINE_TOLERANCE = 0.02
 
 
 class ComputeTimer:
@@ -104,6 +110,7 @@ class Balancer:
             maxlen=MEASURE_STEPS
         )  # per step: [rank, (seconds, samples)]
         self._reference: list[float] | None = None  # the speed fractions the split was made from
+        self._refines = 0
         self.changes: list[dict[str, Any]] = []
         """Every change of split, for the monitor: step, speeds (samples/s), split."""
 
@@ -159,20 +166,36 @@ class Balancer:
         totals = torch.stack(list(self._window)).sum(0).tolist()
         speeds = [float(n) / max(float(t), 1e-12) for t, n in totals]
         fractions = [s / math.fsum(speeds) for s in speeds]
+        split = split_batch(self.global_micro_batch, speeds)
+        refined = False
         if self._reference is not None and not self._moved(fractions):
-            return None
+            # no rank's speed moved by the factor; shortly after a change, take a split that
+            # evens the ranks' times better, measured at the split now in use (a rank's speed per
+            # sample need not be the same at another share)
+            if not self._refines or not self._closer(split):
+                self._refines = 0
+                return None
+            self._refines -= 1
+            refined = True
+        else:
+            self._refines = REFINE_WINDOWS
         self._reference = fractions
         self._window.clear()
-        split = split_batch(self.global_micro_batch, speeds)
         if split == self.split:
             return None
         self.split = split
-        change = {"step": step, "speeds": [round(s, 3) for s in speeds], "split": split}
+        change = {"step": step, "speeds": [round(s, 3) for s in speeds], "split": split, "refined": refined}
         self.changes.append(change)
         if rank == 0:
-            log.info("balance at step %d: samples/s per rank %s -> micro-batches %s", step,
-                     ", ".join(f"{s:.1f}" for s in speeds), split)  # fmt: skip
+            log.info("balance at step %d%s: samples/s per rank %s -> micro-batches %s", step,
+                     " (refined)" if refined else "", ", ".join(f"{s:.1f}" for s in speeds), split)  # fmt: skip
         return change
+
+    def _closer(self, split: list[int]) -> bool:
+        """Whether ``split`` moves some rank's share by more than ``REFINE_TOLERANCE`` of the global
+        micro-batch (smaller moves are within the measurement's noise)."""
+        limit = REFINE_TOLERANCE * self.global_micro_batch
+        return any(abs(new - old) > limit for new, old in zip(split, self.split, strict=True))
 
     def _moved(self, fractions: list[float]) -> bool:
         assert self._reference is not None

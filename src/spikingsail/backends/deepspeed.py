@@ -258,7 +258,14 @@ class DeepSpeedBackend(ProcessGroupBackend):
     ) -> Future[Any] | None:
         if background:
             log.warning("the deepspeed backend writes checkpoints synchronously; async_save is ignored")
-        self.ds.save_checkpoint(str(directory), tag=STATE_TAG, client_state={}, save_latest=False)
+        try:
+            self.ds.save_checkpoint(str(directory), tag=STATE_TAG, client_state={}, save_latest=False)
+        except Exception:
+            # A write that failed here (a full disk) left DeepSpeed's closing barrier, in which the
+            # ranks whose writes succeeded wait: meet them there, then report the failure.
+            if dist.is_initialized():
+                dist.barrier()
+            raise
         return None
 
     def load_state(

@@ -94,9 +94,10 @@ def full_model_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _writer(directory: Path) -> FileSystemWriter:
-    # Two files per rank written by two threads; no fsync here: the checkpoint store fsyncs
-    # every file while hashing it, which overlaps the flush with the hashing.
-    return FileSystemWriter(directory, thread_count=2, sync_files=False)
+    # One writer thread, the caller's: an error in DCP's extra writer threads is only printed, and
+    # the save then completes without that thread's file (a full disk would go unnoticed). No fsync
+    # here: the checkpoint store fsyncs every file while hashing it, overlapping flush and hashing.
+    return FileSystemWriter(directory, thread_count=1, sync_files=False)
 
 
 def save(state: dict[str, Any], directory: Path, group: dist.ProcessGroup | None) -> None:

@@ -21,26 +21,28 @@ import dataclasses
 import json
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from spikingsail.checkpoint import dcp_io
 from spikingsail.checkpoint.compatibility import check_resumable
+from spikingsail.checkpoint.faults import FULL_BYTES, Failure, estimate_bytes, free_bytes, save_error
 from spikingsail.checkpoint.store import CheckpointStore, seal
 from spikingsail.config.schema import SailConfig
 from spikingsail.environments import RankInfo
 from spikingsail.errors import CheckpointError
 
 log = logging.getLogger(__name__)
-_FAILED = "<failed>"
+_T = TypeVar("_T")
 STATE_DIR = "state"
 """Model and optimizer state, written through torch.distributed.checkpoint."""
 _ALLOWED = (torch.Tensor, int, float, str, bool, bytes, type(None))
@@ -128,70 +130,161 @@ def save(
     client_state: dict[str, Any] | None,
     *,
     group: dist.ProcessGroup | None,
+    writer_group: dist.ProcessGroup | None = None,
     background: bool = False,
+    create: bool = True,
 ) -> SaveHandle:
     """Collective: every rank calls it.
 
     In the background, the model and optimizer state is copied to host memory before this
     returns, then written (and rank 0 commits the checkpoint) by a thread.
+
+    The ranks agree after each phase whether every one of them succeeded: a failure on any rank
+    (a full disk, a read-only or vanished directory) removes the unfinished checkpoint and raises
+    the same ``CheckpointError`` on every rank — at once, or from ``SaveHandle.wait`` in the
+    background — with ``latest`` and the earlier checkpoints untouched. ``create`` False: the
+    directory must exist (it did; one that vanished is not made again). ``writer_group``: the
+    backend's group for writing (default ``group``), which a background writer thread uses while
+    the ranks agree in ``group``.
     """
     client_state = dict(client_state or {})
     _check_client_state(client_state, "client_state")
     if training.optimizer is None:
         raise ValueError("a checkpoint saves the optimizer's state: TrainingState.optimizer is None")
+    optimizer = training.optimizer
     entries = merged_state_dict(training.states)
     tag = tag or f"global_step{entries['global_steps']}"
-    backend = training.backend
     mid_window = bool(entries["micro_steps"] % entries["gradient_accumulation_steps"])
-    backend.check_can_save(mid_window)
-    store = CheckpointStore(save_dir)
-    rank, world_size = training.rank_info.rank, training.rank_info.world_size
-    if rank == 0:
-        store.prepare(tag)
-    _barrier()
-    staging = store.staging(tag)
-    _write_own_files(training, staging, entries, client_state, mid_window=mid_window)
+    training.backend.check_can_save(mid_window)
+    saving = _Saving(CheckpointStore(save_dir), tag, training, group)
+    staging = saving.store.staging(tag)
     metadata = {"global_steps": entries["global_steps"], "micro_steps": entries["micro_steps"],
-                "world_size": world_size}  # fmt: skip
-    keep_last = training.config.checkpoint.keep_last
-
-    def commit() -> None:
-        # Each rank fsyncs and hashes what it wrote (in parallel across ranks and threads);
-        # rank 0 seals the checkpoint with everyone's manifest entries.
-        # A rank that fails still takes part in the gather, so that no rank waits for it forever.
-        try:
-            own: dict[str, Any] = seal(staging, _files_written_by(staging, rank, backend))
-        except OSError as err:
-            own = {_FAILED: f"rank {rank}: {err}"}
-        sealed = _gather_everywhere(own, group)
-        failed = sealed.get(_FAILED)
-        if failed:
-            raise CheckpointError(
-                f"could not seal {staging}", str(failed), "the previous checkpoint is still 'latest'"
-            )
-        if rank == 0:
-            store.commit(tag, metadata, sealed)
-            store.prune(keep_last)
-
+                "world_size": training.rank_info.world_size}  # fmt: skip
     done: Future[None] = Future()
-    upload = backend.save_state(training.module, training.optimizer, staging / STATE_DIR, group, background)
+    try:
+        saving.agree(lambda: saving.prepare(create))
+        saving.agree(
+            lambda: _write_own_files(training, staging, entries, client_state, mid_window=mid_window)
+        )
+        upload = saving.agree(
+            lambda: training.backend.save_state(
+                training.module, optimizer, staging / STATE_DIR, writer_group or group, background
+            )
+        )
+        if upload is None:
+            saving.commit(metadata)
+    except SaveFailedError as failed:
+        raise saving.give_up(failed) from None
     if upload is None:
-        commit()
-        _barrier()
         done.set_result(None)
-        return SaveHandle(store.root / tag, done)
+    else:
+        upload.add_done_callback(lambda upload: saving.finish(upload, metadata, done))
+    return SaveHandle(saving.store.root / tag, done)
 
-    def finish(upload: Future[Any]) -> None:
+
+class SaveFailedError(Exception):
+    """A save failed on some rank (raised on every rank; ``_Saving.give_up`` words it)."""
+
+    def __init__(self, failures: list[Failure]) -> None:
+        super().__init__(failures)
+        self.failures = failures
+
+
+@dataclass(frozen=True)
+class _Saving:
+    """One save's agreement between the ranks, and its cleanup when it fails."""
+
+    store: CheckpointStore
+    tag: str
+    training: TrainingState
+    group: dist.ProcessGroup | None
+
+    def agree(self, action: Callable[[], _T]) -> _T:
+        """``action()`` on every rank; if it failed on any, ``SaveFailedError`` (with every rank's failure)
+        on every rank."""
+        rank = self.training.rank_info.rank
+        result: _T | None = None
+        failure: Failure | None = None
         try:
-            upload.result()
-            commit()
-        except BaseException as err:  # handed to whoever waits for the save
+            result = action()
+        except (Exception, CheckpointException) as err:
+            log.debug("checkpoint %s: rank %d failed", self.tag, rank, exc_info=True)
+            failure = Failure.of(err, rank)
+        failures = [f for f in _gather_list(failure, self.group) if f is not None]
+        if failures:
+            raise SaveFailedError(failures)
+        return result  # type: ignore[return-value]  # None only where action returns None
+
+    def prepare(self, create: bool) -> None:
+        if self.training.rank_info.rank == 0:
+            self.store.prepare(self.tag, create=create)
+            # before the backend writes: DeepSpeed's rank 0 would make it alone, between barriers
+            (self.store.staging(self.tag) / STATE_DIR).mkdir()
+
+    def commit(self, metadata: dict[str, Any]) -> None:
+        """Each rank fsyncs and hashes what it wrote (in parallel across ranks and threads); rank 0
+        seals the checkpoint with everyone's manifest entries, puts it in place and prunes."""
+        rank, staging = self.training.rank_info.rank, self.store.staging(self.tag)
+        own = self.agree(lambda: seal(staging, _files_written_by(staging, rank, self.training.backend)))
+        sealed = _gather_everywhere(own, self.group)
+
+        def put_in_place() -> None:
+            if rank == 0:
+                self.store.commit(self.tag, metadata, sealed)
+                self.store.prune(self.training.config.checkpoint.keep_last)
+
+        self.agree(put_in_place)
+
+    def finish(self, upload: Future[Any], metadata: dict[str, Any], done: Future[None]) -> None:
+        """The background half of a save (in the writer's thread): agree that every rank's upload
+        succeeded, commit, and hand the outcome to whoever waits for the save."""
+        try:
+            self.agree(upload.result)
+            self.commit(metadata)
+        except SaveFailedError as failed:
+            try:
+                done.set_exception(self.give_up(failed))
+            except BaseException as err:  # the ranks could not even agree on the message
+                done.set_exception(err)
+        except BaseException as err:
             done.set_exception(err)
         else:
             done.set_result(None)
 
-    upload.add_done_callback(finish)
-    return SaveHandle(store.root / tag, done)
+    def give_up(self, failed: SaveFailedError) -> CheckpointError:
+        """Rank 0 removes the unfinished checkpoint and words the failure; every rank gets the error."""
+        parts: list[Any] = [None]
+        if self.training.rank_info.rank == 0:
+            try:
+                err = self._cleaned_up(failed)
+            except Exception as unexpected:  # the other ranks wait for the message: never leave them
+                log.debug("wording the failed save", exc_info=True)
+                err = CheckpointError(f"checkpoint {self.tag} could not be saved in {self.store.root}",
+                                      "; ".join(f.text for f in failed.failures) + f" (then: {unexpected})")  # fmt: skip
+            parts = [(err.what, err.why, err.fix)]
+        if self.group is not None:
+            dist.broadcast_object_list(parts, src=0, group=self.group)
+        return CheckpointError(*parts[0])
+
+    def _cleaned_up(self, failed: SaveFailedError) -> CheckpointError:
+        root, staging = self.store.root, self.store.staging(self.tag)
+        # before the cleanup frees what the save took: was there room for the whole checkpoint?
+        free_then, staged = free_bytes(root) or 0, _bytes_under(staging)
+        self.store.abandon(self.tag)
+        last_good = self.store.latest() if root.is_dir() else None
+        assert self.training.optimizer is not None  # save() refuses a state without one
+        needed = (self.store.size(last_good) if last_good else None) or estimate_bytes(
+            self.training.module, self.training.optimizer
+        )
+        full = free_then < FULL_BYTES or free_then + staged < needed
+        return save_error(failed.failures, root, self.tag, full=full, needed=needed, last_good=last_good)
+
+
+def _bytes_under(directory: Path) -> int:
+    try:
+        return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+    except OSError:
+        return 0
 
 
 def load(
@@ -242,9 +335,16 @@ def load_weights(
 def _choose(training: TrainingState, load_dir: str | Path, tag: str | None) -> tuple[Path, dict[str, Any]]:
     """Rank 0's choice of checkpoint (``tag``, or the latest good one) and its ``engine.pt``."""
     store = CheckpointStore(load_dir)
-    chosen = [store.resolve(tag) if training.rank_info.rank == 0 else None]
+    chosen: list[Any] = [None]
+    if training.rank_info.rank == 0:
+        try:
+            chosen = [store.resolve(tag)]
+        except CheckpointError as err:  # every rank raises it, none waits for rank 0's choice
+            chosen = [(err.what, err.why, err.fix)]
     if dist.is_initialized():
         dist.broadcast_object_list(chosen, src=0)
+    if isinstance(chosen[0], tuple):
+        raise CheckpointError(*chosen[0])
     path = store.root / str(chosen[0])
     saved = dcp_io.load_weights_only(path / "engine.pt")
     _check_format(training.backend, path, saved)
@@ -306,15 +406,19 @@ def _files_written_by(staging: Path, rank: int, backend: StateBackend) -> list[P
 
 
 def _gather_everywhere(entries: dict[str, Any], group: dist.ProcessGroup | None) -> dict[str, Any]:
-    """Every rank's entries, on every rank (so that a failure on one is known to all)."""
-    if group is None:
-        return entries
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, entries, group=group)
+    """Every rank's entries, merged, on every rank."""
     merged: dict[str, Any] = {}
-    for part in gathered:
+    for part in _gather_list(entries, group):
         merged.update(part)
     return merged
+
+
+def _gather_list(value: _T, group: dist.ProcessGroup | None) -> list[_T]:
+    if group is None:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
 
 
 def restore_grads(module: torch.nn.Module, grads: dict[str, torch.Tensor | None]) -> None:

@@ -12,6 +12,8 @@ verifies, and says so.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -41,10 +43,14 @@ class CheckpointStore:
     def staging(self, tag: str) -> Path:
         return self.root / f"{_STAGING}{tag}"
 
-    def prepare(self, tag: str) -> Path:
-        """A fresh, empty staging directory for ``tag`` (rank 0 only)."""
+    def prepare(self, tag: str, *, create: bool = True) -> Path:
+        """A fresh, empty staging directory for ``tag`` (rank 0 only). Without ``create`` a missing
+        root is an error (FileNotFoundError): the directory existed and vanished."""
         _check_tag(tag)
-        self.root.mkdir(parents=True, exist_ok=True)
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+        elif not self.root.is_dir():
+            raise FileNotFoundError(errno.ENOENT, "the checkpoint directory vanished", str(self.root))
         self.recover()
         for stale in self.root.glob(f"{_STAGING}*"):
             shutil.rmtree(stale, ignore_errors=True)
@@ -78,11 +84,41 @@ class CheckpointStore:
             shutil.rmtree(aside, ignore_errors=True)
             os.replace(final, aside)
             _fsync_dir(self.root)
-        os.replace(staging, final)
-        _fsync_dir(self.root)
-        _write_durably(self.root / LATEST, tag)
+        try:
+            os.replace(staging, final)
+            _fsync_dir(self.root)
+            _write_durably(self.root / LATEST, tag)
+        except BaseException:
+            self._undo_commit(tag)
+            raise
         shutil.rmtree(aside, ignore_errors=True)
         return final
+
+    def _undo_commit(self, tag: str) -> None:
+        """A commit that failed once the new checkpoint was in place (``latest`` could not be
+        written): take the new one out and put back the one it replaced, so that ``latest`` and the
+        older checkpoints are as before the save."""
+        final, aside = self.root / tag, self.root / f"{_REPLACED}{tag}"
+        with contextlib.suppress(OSError):
+            (self.root / f".{LATEST}.tmp").unlink(missing_ok=True)
+            if final.exists():
+                shutil.rmtree(final, ignore_errors=True)
+            if aside.exists():
+                os.replace(aside, final)
+
+    def abandon(self, tag: str) -> None:
+        """Remove what a failed save of ``tag`` left: its staging directory (and the temporary
+        ``latest``), so that the space it took is free again. Never touches a finished checkpoint."""
+        shutil.rmtree(self.staging(tag), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            (self.root / f".{LATEST}.tmp").unlink(missing_ok=True)
+
+    def size(self, tag: str) -> int | None:
+        """The bytes of a finished checkpoint, from its manifest (None when unreadable)."""
+        try:
+            return sum(int(entry["size"]) for entry in self.metadata(tag)["files"].values())
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def recover(self) -> None:
         """Put back a checkpoint moved aside by a re-save that died before its replacement was in
@@ -158,10 +194,12 @@ class CheckpointStore:
             return tag
         latest = self.latest()
         candidates = self.tags()
+        problems = []
         if latest in candidates:
             candidates.remove(latest)
             candidates.append(latest)  # try the pointer first, then the newest others
-        problems = []
+        elif latest is not None:
+            problems.append(f"'{LATEST}' names {latest}, which is missing or has no {MANIFEST}")
         for candidate in reversed(candidates):
             try:
                 self.verify(candidate)

@@ -12,7 +12,7 @@ average and 4 of them per optimizer step, so the all-reduce is a small part of a
 standalone  each rank's training samples/s alone (forward, backward, SGD step, no all-reduce),
             both at the same time, under the same quota; ideal = their sum
 off         2 ranks, equal micro-batches: every step waits for the slow rank
-auto        2 ranks, ``"sail": {"balance": "auto"}``: throughput of the steps after the first split
+auto        2 ranks, ``"sail": {"balance": "auto"}``: throughput of the steps after its split and refinement
 
 Prints a table with each row's samples/s and its ratio to the ideal.
 """
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import spikingsail
+from spikingsail.engine.balance import MEASURE_STEPS, REFINE_WINDOWS, WARMUP_STEPS
 from spikingsail.launchers.spawn import run_processes
 
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
@@ -88,7 +89,8 @@ def train(group: str, balance: str, steps: int, micro: int, accumulation: int) -
     )  # fmt: skip
     loader = engine.dataloader(data())
     batches = (batch for _ in iter(int, 1) for batch in loader)  # epoch after epoch
-    timed_from, start = steps // 3, 0.0  # auto has split by then (1 + 8 steps)
+    # auto has split (after 1 + 8 steps) and refined (within 2 more windows of 8) by then
+    timed_from, start = WARMUP_STEPS + MEASURE_STEPS * (1 + REFINE_WINDOWS), 0.0
     while engine.global_steps < steps:
         if engine.global_steps == timed_from:
             dist.barrier()
@@ -110,7 +112,7 @@ def main() -> None:
     )
     parser.add_argument("--quota", type=int, default=40, help="rank 1's CPU quota, percent of one core")
     parser.add_argument(
-        "--steps", type=int, default=30, help="optimizer steps; the last two thirds are timed"
+        "--steps", type=int, default=45, help="optimizer steps; those after auto's refinement (25) are timed"
     )
     parser.add_argument("--micro", type=int, default=1024, help="samples per rank and micro-step, on average")
     parser.add_argument("--accumulation", type=int, default=4, help="gradient_accumulation_steps")

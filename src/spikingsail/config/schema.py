@@ -122,6 +122,12 @@ class CheckpointConfig:
     """Copy the state to host memory and write it in the background (torch.distributed.checkpoint's async_save)."""
     save_on_preemption: bool = True
     """With a path set: on SIGTERM or SIGUSR1, finish the step, save, and exit with status 75."""
+    on_error: Literal["stop", "continue"] = "continue"
+    """When a periodic save fails (a full disk, a read-only or vanished directory): "continue" warns on
+    every rank and in the metrics file, keeps training and saves again at the next interval; "stop"
+    ends the job with the error. The script's own save_checkpoint() and the preemption save always
+    stop (raise the error on every rank); nothing is lost either way: the unfinished checkpoint is
+    removed and 'latest' still names the last good one."""
     tag_validation: str = "Warn"
     """DeepSpeed's key, accepted; tags are always the same on every rank here."""
     load_universal: bool = False

@@ -14,6 +14,7 @@ import os
 import random
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,9 +29,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from spikingsail.backends.base import Backend
-from spikingsail.checkpoint import dcp_io, engine_state, export
+from spikingsail.checkpoint import dcp_io, engine_state, export, faults
 from spikingsail.checkpoint.engine_state import TrainingState, merged_state_dict
 from spikingsail.checkpoint.lock import JobLock
+from spikingsail.checkpoint.store import CheckpointStore
 from spikingsail.config.parse import check_balance_weights
 from spikingsail.config.schema import SailConfig
 from spikingsail.data.loader import ShardedLoader
@@ -68,6 +70,11 @@ class Engine:
     """The training loop's one object, what ``SpikingSail(args, model, optimizer).run()`` returns: the
     model wrapped by the chosen backend, called as ``engine(batch)``, with ``backward``, ``step``, a
     sharded ``dataloader``, checkpoints and the trained model out; the same calls on every backend."""
+
+    _pending_save: tuple[engine_state.SaveHandle, bool] | None
+    """A background save being written, and whether its failure ends the job."""
+    _saved_in_background: bool
+    """A background save was made: every step then asks whether one has finished on every rank."""
 
     def __init__(
         self,
@@ -120,8 +127,8 @@ class Engine:
         self.loaders = LoaderPositions()
         self._last_save = time.monotonic()
         self._last_saved: tuple[str, int] | None = None  # (directory, micro_steps) of the last save
-        self._pending_save: engine_state.SaveHandle | None = None
-        self._ckpt_group: dist.ProcessGroup | None = None
+        self._pending_save, self._saved_in_background = None, False
+        self._ckpt_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
         self._preemption = PreemptionWatch(
             config.checkpoint.path is not None and config.checkpoint.save_on_preemption
         )
@@ -134,9 +141,10 @@ class Engine:
             heartbeat.stop(self._hang_watch)
             backend.teardown()
             raise
+        self._known_roots: set[str] = set()  # checkpoint directories that existed: not made again
         self._job_lock = self._lock_checkpoint_directory(config.checkpoint.path)
         self._closed = False
-        atexit.register(self.close)
+        atexit.register(self._close_at_exit)
         self._replica_loader: ShardedLoader | None = None
         self.replicas = self._replica_groups()
         log.info("engine ready: rank %d of %d on %s", rank_info.rank, rank_info.world_size, self.device)
@@ -208,6 +216,7 @@ class Engine:
             self._after_optimizer_step(skipped)
         self.counters.micro_steps += 1
         if boundary:
+            self._poll_background_save()
             # After the counter moves on: a checkpoint must record the step as finished, or a
             # resume would take its first micro-step for the end of an accumulation window.
             self._maybe_save()
@@ -410,7 +419,7 @@ class Engine:
         if self._last_saved == (str(Path(root)), self.micro_steps):
             # this step's periodic save holds exactly this state: writing it again would only
             # replace a good checkpoint with the same bytes
-            self.wait_for_checkpoint()
+            self._settle_pending(stops=True)
             path = str(Path(root) / f"global_step{self.global_steps}")
         else:
             path = self.save_checkpoint(root, async_save=False)
@@ -470,8 +479,36 @@ class Engine:
             if dist.is_initialized():
                 dist.broadcast(elapsed, src=0)
             due = due or bool(elapsed.item())
-        if due:
-            self.save_checkpoint(policy.path)
+        if not due:
+            return
+        try:
+            self._save(policy.path, stops=policy.on_error == "stop")
+        except CheckpointError as err:
+            if policy.on_error == "stop":
+                raise
+            self._warn_failed_save(err)
+
+    def _warn_failed_save(self, err: CheckpointError) -> None:
+        """checkpoint.on_error "continue": every rank's log and the metrics file say so; training goes on."""
+        log.warning("%s\n  (checkpoint.on_error is 'continue': training goes on, and the next save comes at "
+                    "the next interval)", err)  # fmt: skip
+        self.monitor.event("checkpoint_failed", str(err), self.global_steps)
+
+    def _poll_background_save(self) -> None:
+        """A background save that has finished on every rank is settled at the step where all of
+        them know it (its failure then surfaces on every rank at the same step)."""
+        if not self._saved_in_background:
+            return
+        finished = self._pending_save is None or self._pending_save[0].done.done()
+        if dist.is_initialized() and self.world_size > 1:
+            # every step once a background save was made, pending here or not: a rank that waited
+            # for its save alone (wait_for_checkpoint) must still take part
+            # the default group, not the checkpoint group: the writer thread may be using that one
+            flag = torch.tensor([int(finished)], dtype=torch.int32, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            finished = bool(flag.item())
+        if finished and self._pending_save is not None:
+            self._settle_pending()
 
     # -- DeepSpeed-compatible accessors --------------------------------------------------------
 
@@ -635,42 +672,72 @@ class Engine:
         written in the background; the checkpoint appears (and ``latest`` moves) when the write
         completes. A save waits for the previous background save first; so do loading and close().
         """
+        return self._save(save_dir, tag, client_state, async_save=async_save, stops=True)
+
+    def _save(
+        self,
+        save_dir: str | Path,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        *,
+        async_save: bool | None = None,
+        stops: bool,
+    ) -> str:
+        """``save_checkpoint``; ``stops``: whether a failure of this save in the background ends the
+        job (raised where it surfaces) or is only reported (a periodic save under on_error "continue")."""
         self.wait_for_checkpoint()
         if self.replicas is not None:
             self._refuse_inside_window("save")
             save_dir = own_group_checkpoints(save_dir, self.replicas.env.group)
         background = self.config.checkpoint.async_save if async_save is None else async_save
+        root = str(Path(save_dir))
         self.heartbeat.enter(CHECKPOINT)
-        handle = engine_state.save(
-            self._training_state(), save_dir, tag, client_state, group=self._checkpoint_group(),
-            background=background,
-        )  # fmt: skip
-        self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
-        self._last_save = time.monotonic()
-        self._last_saved = (str(Path(save_dir)), self.micro_steps) if tag is None else None
+        try:
+            handle = engine_state.save(
+                self._training_state(), save_dir, tag, client_state, group=self._checkpoint_group(),
+                writer_group=self._writer_group(), background=background, create=root not in self._known_roots,
+            )  # fmt: skip
+        finally:
+            # a failed save is tried again at the next interval, not at the next step
+            self._last_save = time.monotonic()
+            self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
+        self._known_roots.add(root)
+        self._last_saved = (root, self.micro_steps) if tag is None else None
         if background:
-            self._pending_save = handle
+            self._pending_save, self._saved_in_background = (handle, stops), True
             log.info("checkpoint %s: writing in the background", handle.path)
         else:
             log.info("checkpoint saved: %s", handle.path)
         return str(handle.path)
 
     def wait_for_checkpoint(self) -> None:
-        """Block until a background save has been written and committed; raise if it failed."""
-        handle, self._pending_save = self._pending_save, None
-        if handle is None:
+        """Block until a background save has been written and committed. If it failed: raise its
+        error on every rank — or, for a periodic save under checkpoint.on_error "continue", warn."""
+        self._settle_pending()
+
+    def _settle_pending(self, *, stops: bool | None = None) -> None:
+        pending, self._pending_save = self._pending_save, None
+        if pending is None:
             return
+        handle, pending_stops = pending
         try:
             handle.wait()
-        except CheckpointError:
-            raise
+        except CheckpointError as err:
+            failure = err
         except (Exception, CheckpointException) as err:
-            raise CheckpointError(
+            failure = CheckpointError(
                 f"the background save of {handle.path} failed",
                 dcp_io.describe(err),
                 "the previous checkpoint is intact and still 'latest'; check free space and permissions",
-            ) from err
-        log.info("checkpoint saved: %s", handle.path)
+            )
+            failure.__cause__ = err
+        else:
+            log.info("checkpoint saved: %s", handle.path)
+            return
+        self._last_saved = None
+        if pending_stops if stops is None else stops:
+            raise failure
+        self._warn_failed_save(failure)
 
     def save_model(self, path: str | Path, *, dtype: torch.dtype = torch.float32) -> str | None:
         """Write the trained model as one consolidated state dict, loadable with
@@ -767,6 +834,7 @@ class Engine:
         if directory is None:
             return None
         try:
+            self._check_checkpoint_directory(Path(directory))
             return self._agree_on_lock(JobLock(directory) if self.rank_info.is_rank_zero else None)
         except BaseException:
             self.monitor.close()
@@ -775,6 +843,37 @@ class Engine:
             self._destroy_checkpoint_group()
             self.backend.teardown()  # a refused start leaves no process group up
             raise
+
+    def _check_checkpoint_directory(self, root: Path) -> None:
+        """Before the first step: every rank can create and write the checkpoint directory (each
+        node's, when it is node-local), and it has room for the checkpoints keep_last keeps."""
+        who = f"rank {self.rank} on {socket.gethostname()}"
+        problem = faults.probe(root, create=True, who=who)
+        group = self._checkpoint_group()
+        problems = [problem]
+        if group is not None:
+            problems = [None] * self.world_size
+            dist.all_gather_object(problems, problem, group=group)
+        found = [p for p in problems if p is not None]
+        if found:
+            raise CheckpointError(
+                f"cannot save checkpoints in {root}: {len(found)} of {len(problems)} rank(s) cannot write there",
+                "; ".join(found),
+                "make the directory writable by the job's user on every node, or choose another "
+                "--checkpoints-path (this is checked before the first step, not at the first save)",
+            )
+        self._known_roots.add(str(root))
+        self._agree(lambda: self._check_room(root))
+
+    def _check_room(self, root: Path) -> None:
+        """Room for keep_last + 1 checkpoints (the one being written), less those already there."""
+        keep_last = self.config.checkpoint.keep_last
+        existing = len(CheckpointStore(root).tags())
+        copies = max(1, (keep_last or 1) + 1 - min(existing, keep_last or 1))
+        estimate = faults.estimate_bytes(self.module, self.optimizer)
+        refusal = faults.check_room(root, estimate, copies)
+        if refusal is not None:
+            raise refusal
 
     def _agree_on_lock(self, lock: JobLock | None) -> JobLock | None:
         refusal: tuple[str, str, str] | None = None
@@ -794,13 +893,22 @@ class Engine:
 
     def _checkpoint_group(self) -> dist.ProcessGroup | None:
         """A gloo group of its own for checkpoint coordination, also from a background thread."""
+        return self._checkpoint_groups()[0]
+
+    def _writer_group(self) -> dist.ProcessGroup | None:
+        """The group a background save's writer thread uses: while it writes, the ranks agree on
+        the save's start in the coordination group (one group used by two threads at once would
+        see their collectives in different orders on different ranks)."""
+        return self._checkpoint_groups()[1]
+
+    def _checkpoint_groups(self) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
         if not dist.is_initialized():
-            return None
-        if self._ckpt_group is None:
-            group = dist.new_group(backend="gloo")  # every rank is a member
-            assert isinstance(group, dist.ProcessGroup)
-            self._ckpt_group = group
-        return self._ckpt_group
+            return None, None
+        if self._ckpt_groups is None:
+            coordination, writer = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")  # all ranks
+            assert isinstance(coordination, dist.ProcessGroup) and isinstance(writer, dist.ProcessGroup)
+            self._ckpt_groups = coordination, writer
+        return self._ckpt_groups[0], self._ckpt_groups[1]
 
     def restore_loaders(self, states: list[dict[str, int]]) -> None:
         """Data positions from a checkpoint, for loaders made so far and those made later (by order)."""
@@ -869,12 +977,13 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.close)
+        atexit.unregister(self._close_at_exit)
         self._preemption.disarm()
+        failure: CheckpointError | None = None
         try:
-            self.wait_for_checkpoint()
-        except CheckpointError as err:
-            log.error("%s", err)
+            self._settle_pending()
+        except CheckpointError as err:  # raised once the engine is down
+            failure = err
         finally:
             self.monitor.close()
             if self.balancer is not None:
@@ -889,13 +998,26 @@ class Engine:
             if self.replicas is not None:
                 self.replicas.shutdown()
             self.backend.teardown()
+        if failure is not None:
+            raise failure
+
+    def _close_at_exit(self) -> None:
+        """``close`` at interpreter exit (the script did not call it): a background save that failed
+        still ends the job with its message and status 1, which an exception in atexit would not."""
+        try:
+            self.close()
+        except CheckpointError as err:
+            sys.excepthook(type(err), err, None)  # the message, and torchrun's error file
+            sys.stderr.flush()
+            os._exit(1)
 
     def _destroy_checkpoint_group(self) -> None:
-        if self._ckpt_group is not None:
+        if self._ckpt_groups is not None:
             # now, not at interpreter exit, and also when the default group is the user's
             if dist.is_initialized():
-                dist.destroy_process_group(self._ckpt_group)
-            self._ckpt_group = None
+                for group in self._ckpt_groups:
+                    dist.destroy_process_group(group)
+            self._ckpt_groups = None
 
     def __enter__(self) -> Engine:
         return self

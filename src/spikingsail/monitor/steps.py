@@ -145,6 +145,13 @@ class StepMonitor:
         for tracker in self.trackers:
             tracker.log(metrics, step)
 
+    def event(self, kind: str, message: str, step: int) -> None:
+        """Something that happened to the run (a failed save): a line of the metrics file of its own
+        (``{"step": N, "event": kind, "message": ...}``)."""
+        if self.enabled and self._metrics is not None:
+            line = {"step": step, "event": kind, "message": message, "time": time.time()}
+            self._metrics.write(json.dumps(line) + "\n")
+
     def close(self) -> None:
         trackers, self.trackers = self.trackers, []
         for tracker in trackers:

@@ -112,6 +112,23 @@ def test_a_disk_that_fills_during_a_save(tmp_path: Path, tmpfs: Path, backend: s
 
 
 @root_only
+def test_a_preemption_save_that_fills_the_disk_exits_1_with_the_cause_not_75(
+    tmp_path: Path, tmpfs: Path
+) -> None:
+    """A requeue (status 75) would promise a checkpoint of this step; the job stops with the error instead."""
+    checkpoints = tmpfs / "ck"
+    command = [sys.executable, str(JOB), str(tmp_path / "out"), "--checkpoints-path", str(checkpoints),
+               "--resume", "--fill-at", "3", "--signal-at", "3"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert (
+        "checkpoint global_step3 could not be saved" in result.stderr and "the disk is full" in result.stderr
+    )
+    assert "preempted by signal" not in result.stderr and "Traceback" not in result.stderr
+    assert_kept(checkpoints, ["global_step2"])
+
+
+@root_only
 @pytest.mark.multiprocess
 def test_a_checkpoint_directory_remounted_read_only_mid_run(tmp_path: Path, tmpfs: Path) -> None:
     checkpoints = tmpfs / "ck"

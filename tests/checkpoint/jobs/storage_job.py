@@ -5,7 +5,7 @@
 
 --fill-at S: after step S-1, rank 0 fills the checkpoint directory's filesystem with a file beside
 it (``DIR/../filler``) until half a checkpoint is free, so that the save at step S runs out of space
-mid-write; --free-at T removes it after step T-1. --fault remount-ro remounts the filesystem read-only
+mid-write; --free-at T removes it after step T-1; --signal-at S preempts (SIGTERM) before step S. --fault remount-ro remounts the filesystem read-only
 after step S-1; --fault delete deletes DIR. Each rank writes OUT/rankR.json with a digest of its
 parameters (its shard, under FSDP) and the step it started at; OUT/progressR holds the last step.
 """
@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--free-at", type=int, default=-1)
     parser.add_argument("--fault", choices=["remount-ro", "delete"], default=None)
     parser.add_argument("--fault-at", type=int, default=-1)
+    parser.add_argument("--signal-at", type=int, default=-1, help="SIGTERM (a preemption) before this step")
     args = spikingsail.add_config_arguments(parser).parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -97,6 +100,8 @@ def before_step(engine: spikingsail.Engine, args: argparse.Namespace, root: Path
         subprocess.run(["mount", "-o", "remount,ro", str(root.parent)], check=True)
     if step == args.fault_at and args.fault == "delete":
         shutil.rmtree(root)
+    if step == args.signal_at:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -77,8 +77,9 @@ def test_fsdp_trains_like_ddp_with_sharded_parameters() -> None:
 def test_fsdp_resume_is_exact(tmp_path: Path) -> None:
     straight = run_ranks(train, 2, "fsdp")
     assert run_ranks(train, 2, "fsdp", str(tmp_path), 6) == {0: None, 1: None}
+    # each rank writes its own shards (one file each: DCP's writer runs in the saving thread)
     assert sorted(p.name for p in (tmp_path / "global_step3" / "state").glob("*.distcp")) == [
-        "__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"]  # fmt: skip
+        "__0_0.distcp", "__1_0.distcp"]  # fmt: skip
     resumed = run_ranks(train, 2, "fsdp", str(tmp_path), None, True)
     for rank in (0, 1):
         for key, value in straight[rank]["params"].items():

@@ -128,6 +128,35 @@ def test_a_preemption_save_that_fills_the_disk_exits_1_with_the_cause_not_75(
     assert_kept(checkpoints, ["global_step2"])
 
 
+UNCLOSED = """
+import resource, signal, sys, torch, spikingsail
+from spikingsail.environments import RankInfo
+config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+          "sail": {"progress_bar": False}}
+engine, _ = spikingsail.initialize(model=torch.nn.Linear(512, 512), config=config, rank_info=RankInfo.single())
+engine.backward(engine(torch.ones(1, 512)).sum()); engine.step()
+engine.save_checkpoint(sys.argv[1], tag="good")
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+engine.save_checkpoint(sys.argv[1], tag="too-big", async_save=True)
+print("the script ends without close()", flush=True)
+"""
+
+
+def test_a_background_save_that_fails_after_the_script_ends_still_fails_the_process(tmp_path: Path) -> None:
+    script = tmp_path / "unclosed.py"
+    script.write_text(UNCLOSED)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], capture_output=True, text=True,
+                            timeout=120, check=False)  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stdout.strip() == "the script ends without close()"
+    assert (
+        "[rank0] checkpoint too-big could not be saved in" in result.stderr and "(ulimit -f)" in result.stderr
+    )
+    assert "Traceback" not in result.stderr
+    assert_kept(tmp_path / "ck", ["good"])
+
+
 @root_only
 @pytest.mark.multiprocess
 def test_a_checkpoint_directory_remounted_read_only_mid_run(tmp_path: Path, tmpfs: Path) -> None:

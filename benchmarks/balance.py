@@ -9,7 +9,8 @@ Two gloo ranks on this machine, one thread each; rank 1 runs in a cgroup whose C
 device). The model is compute-bound (an MLP; by default 1024-sample micro-batches per rank on
 average and 4 of them per optimizer step, so the all-reduce is a small part of a step).
 
-standalone  each rank's training samples/s alone (forward, backward, SGD step, no all-reduce),
+standalone  each rank's training samples/s alone (a DataLoader over the same data, forward,
+            backward, SGD step, no all-reduce),
             both at the same time, under the same quota; ideal = their sum
 off         2 ranks, equal micro-batches: every step waits for the slow rank
 auto        2 ranks, ``"sail": {"balance": "auto"}``: throughput of the steps after its split and refinement
@@ -60,15 +61,18 @@ def join(group: str) -> int:
 
 
 def standalone(group: str, seconds: float, micro: int) -> float:
-    """Samples/s of plain training on this rank alone (no process group work in the loop)."""
+    """Samples/s of a plain training loop on this rank alone: torch's DataLoader over the same data
+    set, forward, backward, SGD step; no process group work in the loop."""
     join(group)
     dist.init_process_group("gloo")
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
-    x, y = torch.randn(micro, 256), torch.randint(0, 10, (micro,))
+    loader = torch.utils.data.DataLoader(data(), batch_size=micro, shuffle=True, drop_last=True)
+    batches = (batch for _ in iter(int, 1) for batch in loader)
     dist.barrier()
     samples, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
+        x, y = next(batches)
         F.cross_entropy(net(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -66,8 +66,10 @@ def test_missing_script_is_refused_before_anything_starts(tmp_path: Path) -> Non
         parse_request(["-n", "2", str(tmp_path / "nope.py")])
 
 
-def run_sail(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*SAIL, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+def run_sail(
+    *args: str, cwd: Path | None = None, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*SAIL, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
 def test_unknown_flag_is_an_error_with_usage(tmp_path: Path) -> None:
@@ -229,6 +231,13 @@ def test_a_sail_error_of_one_rank_is_the_failure_reason(tmp_path: Path) -> None:
         "  why: clipping by NaN turns clipping off",
         "  fix: give a positive number, or 0 for no clipping",
     ], result.stderr[-3000:]
+    # torchrun's table of the failed ranks, without the agent's own traceback (debug level only)
+    assert "rank      : 1 (local_rank: 1)" in result.stderr
+    assert "ChildFailedError" not in result.stderr, result.stderr[-3000:]
+    debug = run_sail(
+        "launch", "-n", "2", str(script), cwd=tmp_path, env={**os.environ, "SAIL_LOG_LEVEL": "DEBUG"}
+    )
+    assert "raise ChildFailedError(" in debug.stderr
 
 
 @pytest.mark.multiprocess

@@ -185,8 +185,16 @@ class _ForkedAgent:
             code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
             if stop.code is not None and not isinstance(stop.code, int):
                 print(stop.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
+        except BaseException as err:
+            if (
+                type(err).__name__ == "ChildFailedError"
+                and os.environ.get("SAIL_LOG_LEVEL", "").upper() != "DEBUG"
+            ):
+                # torchrun's table of the failed ranks; the agent's own traceback says nothing more
+                # (sail launch names the cause last), so it is printed at debug level only
+                print(f"torchrun: {err}", file=sys.stderr)
+            else:
+                traceback.print_exc()
         finally:
             with contextlib.suppress(Exception):
                 sys.stdout.flush()

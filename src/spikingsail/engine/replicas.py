@@ -361,16 +361,21 @@ def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return buckets
 
 
+def address_on_route_to(host: str, port: int) -> str:
+    """This machine's address on its route to ``host`` (IPv4): a UDP connect sends nothing, it only
+    picks the route. Raises ``OSError`` when there is none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return str(probe.getsockname()[0])
+
+
 def address_towards_lighthouse(lighthouse: str) -> str:
     """Where the other groups reach this group's manager: this node's address on its route to the
     lighthouse (loopback when the groups share one machine, the cluster network's address when they
     are spread over nodes: ``sail launch`` runs the lighthouse on a machine of that network)."""
     parsed = urllib.parse.urlsplit(lighthouse)
-    host, port = parsed.hostname or "127.0.0.1", parsed.port or 29510
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, port))  # a UDP connect sends nothing; it picks the route
-            return str(probe.getsockname()[0])
+        return address_on_route_to(parsed.hostname or "127.0.0.1", parsed.port or 29510)
     except OSError as err:
         raise ConfigError(
             f"{ENV_LIGHTHOUSE}={lighthouse}: no route to it from {socket.gethostname()} ({err})",

@@ -32,6 +32,7 @@ from spikingsail.launchers.lifeline import die_with_this_process
 from spikingsail.launchers.platform import platform_flags
 from spikingsail.launchers.spec import LaunchRequest
 from spikingsail.launchers.torchrun_args import TorchrunArgs
+from spikingsail.monitor.logs import debugging
 
 TAIL_LINES = 400
 
@@ -186,10 +187,9 @@ class _ForkedAgent:
             if stop.code is not None and not isinstance(stop.code, int):
                 print(stop.code, file=sys.stderr)
         except BaseException as err:
-            if (
-                type(err).__name__ == "ChildFailedError"
-                and os.environ.get("SAIL_LOG_LEVEL", "").upper() != "DEBUG"
-            ):
+            from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+            if isinstance(err, ChildFailedError) and not debugging():
                 # torchrun's table of the failed ranks; the agent's own traceback says nothing more
                 # (sail launch names the cause last), so it is printed at debug level only
                 print(f"torchrun: {err}", file=sys.stderr)

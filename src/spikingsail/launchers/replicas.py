@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from spikingsail.engine.replicas import ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE
+from spikingsail.engine.replicas import ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, address_on_route_to
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.command import FORWARDED, LaunchCommand, python_module
 from spikingsail.launchers.lifeline import die_with_this_process
@@ -63,7 +63,7 @@ def plan_replica_groups(request: LaunchRequest, replicas: ReplicaPlan) -> list[L
     """The lighthouse first, then what runs each replica group here: its torchrun agent, or with
     ``-H`` a child ``sail launch`` of the group's nodes (``group_requests``)."""
     _check(request, replicas)
-    quiet = {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft's Rust parts log every vote at INFO
+    quiet = _quiet_torchft()
     commands = [LaunchCommand(host="localhost", argv=lighthouse_argv(replicas), env=quiet)]
     if request.nodes:
         for sub in group_requests(request, replicas):
@@ -82,6 +82,12 @@ def plan_replica_groups(request: LaunchRequest, replicas: ReplicaPlan) -> list[L
     return commands
 
 
+def _quiet_torchft() -> dict[str, str]:
+    """torchft's Rust parts log every quorum and vote at INFO: warnings and errors only, unless this
+    shell sets RUST_LOG."""
+    return {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+
+
 def group_env(group: int, replicas: ReplicaPlan) -> dict[str, str]:
     return {
         ENV_GROUP: str(group),
@@ -95,7 +101,7 @@ def group_requests(request: LaunchRequest, replicas: ReplicaPlan) -> list[Launch
     hostfile's, its rendezvous on its first node, the group's variables shipped to its nodes."""
     assert request.nodes
     per_group = len(request.nodes) // replicas.groups
-    quiet = {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+    quiet = _quiet_torchft()
     return [
         dataclasses.replace(
             request,
@@ -174,15 +180,14 @@ def address_towards(hosts: list[str]) -> str:
             loopback = False
             continue
         for *_, target in infos:
-            if str(target[0]).startswith("127."):
+            ip = str(target[0])
+            if ip.startswith("127."):
                 continue
             loopback = False
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                try:
-                    probe.connect(target)  # a UDP connect sends nothing; it picks the route
-                except OSError:
-                    continue
-                address = str(probe.getsockname()[0])
+            try:
+                address = address_on_route_to(ip, int(target[1]))
+            except OSError:
+                continue
             if not address.startswith("127."):
                 return address
     if loopback:

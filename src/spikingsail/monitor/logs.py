@@ -76,13 +76,14 @@ class _SailErrorHook:
         prefix = "" if rank is None else f"[rank{rank}] "
         message = "\n".join(prefix + line for line in str(error).splitlines())
         shown = message
-        if _debugging():
+        if debugging():
             shown = "".join(traceback.format_exception(kind, error, tb)) + message
         print(shown, file=sys.stderr, flush=True)
         _record_for_torchrun(error, shown)
 
 
-def _debugging() -> bool:
+def debugging() -> bool:
+    """Whether tracebacks are wanted: SAIL_LOG_LEVEL=DEBUG, or SpikingSail's logger at DEBUG."""
     wanted = os.environ.get("SAIL_LOG_LEVEL", "").upper() == "DEBUG"
     return wanted or logging.getLogger("spikingsail").isEnabledFor(logging.DEBUG)
 

@@ -60,6 +60,7 @@ def main() -> None:
         help="this group's parameters are nudged just before it first joins the others",
     )
     parser.add_argument("--min-replicas", type=int, default=1, help="fault_tolerance.min_replicas")
+    parser.add_argument("--backend", default="ddp", help="sail.backend (fsdp: sharded within each group)")
     parser.add_argument("--hidden", type=int, default=16, help="width of the hidden layer")
     parser.add_argument(
         "--reference",
@@ -83,7 +84,8 @@ def main() -> None:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO * (args.reference or 1),
         "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
-        "sail": {"seed": 1, "progress_bar": False, "hang_timeout_seconds": 0, "straggler_window": 0},
+        "sail": {"seed": 1, "progress_bar": False, "hang_timeout_seconds": 0, "straggler_window": 0,
+                 "backend": args.backend},
         "fault_tolerance": {
             "timeout_seconds": 3,
             "quorum_timeout_seconds": 60,
@@ -122,16 +124,28 @@ def main() -> None:
             engine.backward(loss)
             engine.step()
             if engine.global_steps > step:  # committed; written at once, before a kill can come
-                digest = sum(float(p.double().sum()) for p in model.parameters())
+                digest = sum(float(full(p).double().sum()) for p in model.parameters())
                 entry = {"step": step, "ids": sample_ids.flatten().int().tolist(), "digest": digest,
                          "time": time.time(), "rank": engine.rank}  # fmt: skip
                 ledger.write(json.dumps(entry) + "\n")
                 ledger.flush()
             time.sleep(args.step_sleep)
+    from torch.distributed.tensor import DTensor
+
+    final = {k: full(v).clone() for k, v in model.state_dict().items()}  # fsdp: a collective
     if engine.rank == 0:
-        torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out / f"final-{group}.pt")
+        torch.save(final, args.out / f"final-{group}.pt")
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            (args.out / f"sharded-{group}").write_text(f"{engine.world_size}")
         (args.out / f"steps-{group}").write_text(f"{engine.global_steps} {groups}")
     engine.close()
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor's (FSDP's shards, gathered from the group's ranks) or the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.detach().full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
 
 def kill_in_first_all_reduce(engine: Any) -> None:

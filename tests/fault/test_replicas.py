@@ -129,11 +129,15 @@ def test_a_killed_group_heals_from_the_other_and_the_run_equals_the_fault_free_o
     assert all((out / f"steps-{g}").read_text().split()[0] == str(EPOCHS * STEPS_PER_EPOCH) for g in (0, 1))
 
 
-def test_groups_of_two_ranks_each_weight_their_shares_and_heal(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+def test_groups_of_two_ranks_each_weight_their_shares_and_heal(tmp_path: Path, backend: str) -> None:
+    # fsdp: each group shards the model over its two ranks, and rank r of the healing group takes
+    # rank r's shards (parameters and Adam's state) from the live group, as HSDP replicates them
     out = tmp_path / "run"
     # 0.6 s steps: the survivor is still training when the killed group's agent has restarted it
     # (a group restarting after the others finished, with no checkpoint, would train alone from 0)
-    launch(out, "--kill-group", "0", "--kill-step", "2", "--step-sleep", "0.6", nproc=2)
+    launch(out, "--kill-group", "0", "--kill-step", "2", "--step-sleep", "0.6", "--backend", backend, nproc=2)
+    assert [(out / f"sharded-{g}").exists() for g in (0, 1)] == [backend == "fsdp"] * 2
     assert "replica group 0 in the job at step" in (out / "output.txt").read_text()
     assert_trained_as_one_process(out, tmp_path, ranks=4, per_epoch=SAMPLES // 16)
 
@@ -368,9 +372,9 @@ def _lighthouse() -> tuple[subprocess.Popen[bytes], str]:
 
 @pytest.mark.parametrize(
     ("config", "backend", "message"),
-    [({}, "fsdp", "only the ddp backend"),
+    [({}, "deepspeed", "only the ddp and fsdp backends"),
      ({"fp16": {"enabled": True}}, "ddp", "loss scaler that skips a step"),
-     ({"zero_optimization": {"stage": 1}}, "ddp", "sharded one is not whole"),
+     ({"zero_optimization": {"stage": 1}}, "ddp", "ZeRO-1 over ddp shards it on its own"),
      ({"sail": {"balance": [1, 1]}}, "ddp", "follow the groups taking part")],
 )  # fmt: skip
 def test_what_replica_groups_cannot_keep_exact_is_refused(

@@ -98,8 +98,8 @@ class Cell:
         if self.balance != "off" and self.backend == "deepspeed-zero2":
             return "which backend deepspeed does not support"
         if self.topology == "replicas":
-            if self.backend not in ("ddp", "ddp+zero1"):
-                return "only the ddp backend all-reduces across replica groups"
+            if self.backend not in ("ddp", "ddp+zero1", "fsdp"):
+                return "only the ddp and fsdp backends all-reduce across replica groups"
             if self.backend == "ddp+zero1":
                 return "zero_optimization.stage is 1, and the job runs as replica groups"
             if self.balance != "off":

@@ -40,10 +40,10 @@ def test_the_sample_covers_every_backend_interruption_balance_and_topology() -> 
 
 
 def test_every_unsupported_cell_names_its_refusal() -> None:
-    # replica groups: the ddp backend only, no ZeRO, no balance, no save inside a window (each group
-    # holds its own share of the window's gradient); every other interruption trains
+    # replica groups: the ddp and fsdp backends, no ZeRO over ddp, no balance, no save inside a window
+    # (each group holds its own share of the window's gradient); every other interruption trains
     replicas = [c for c in all_cells() if c.topology == "replicas"]
-    assert {(c.backend, c.balance) for c in replicas if not c.refusal} == {("ddp", "off")}
+    assert {(c.backend, c.balance) for c in replicas if not c.refusal} == {("ddp", "off"), ("fsdp", "off")}
     assert {c.interruption for c in replicas if not c.refusal} == set(INTERRUPTIONS) - {"window"}
     refusing = [c for c in all_cells() if c.refusal and c.topology == "ranks"]
     assert {(c.backend, c.interruption) for c in refusing if c.balance == "off"} == {

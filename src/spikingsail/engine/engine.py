@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
@@ -44,6 +45,8 @@ from spikingsail.engine.replicas import (
     ReplicaEnv,
     ReplicaGroups,
     checkpoints_to_load,
+    local,
+    local_state,
     own_group_checkpoints,
 )
 from spikingsail.engine.state import Entry, LoaderPositions, OptimizerHyperparameters, StepCounters
@@ -294,8 +297,9 @@ class Engine:
             )
 
     def _live_state(self) -> dict[str, Any]:
-        """What a healing replica group takes from this one."""
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+        """What a healing replica group takes from this one (with ``fsdp``, this rank's shards: its
+        counterpart in the healing group holds the same ones)."""
+        return {"model": local_state(self.module.state_dict()), "optimizer": local_state(self.optimizer.state_dict()),
                 "engine": self.state_dict()}  # fmt: skip
 
     def _replicated_tensors(self) -> Iterator[torch.Tensor]:
@@ -306,9 +310,35 @@ class Engine:
             yield from (value for value in state.values() if isinstance(value, torch.Tensor))
 
     def _load_live_state(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        own = self.module.state_dict()
+        if any(isinstance(value, DTensor) for value in own.values()):
+            # fsdp: the shards of a counterpart rank, copied into this rank's own
+            with torch.no_grad():
+                for key, value in state["model"].items():
+                    local(own[key]).copy_(value)
+            self.optimizer.load_state_dict(self._sharded_optimizer_state(state["optimizer"]))
+        else:
+            self.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.load_state_dict(state["engine"])
+
+    def _sharded_optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """An optimizer state of local shards (``_live_state``) made DTensors again, laid out as this
+        rank's parameters (this optimizer may not have stepped yet: it has no state to copy into)."""
+        parameters = list(self._parameters())  # the order optimizer.state_dict() numbers them in
+        for index, entry in state["state"].items():
+            parameter = parameters[index]
+            if not isinstance(parameter, DTensor):
+                continue
+            for key, value in entry.items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.dim()
+                    and value.shape == parameter.to_local().shape
+                ):
+                    entry[key] = DTensor.from_local(value, parameter.device_mesh, parameter.placements,
+                                                    run_check=False, shape=parameter.shape, stride=parameter.stride())  # fmt: skip
+        return state
 
     def _loss_weight(self) -> float:
         """This rank's share of the global micro-batch, relative to an equal share (``sail.balance``)."""

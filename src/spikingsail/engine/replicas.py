@@ -138,19 +138,26 @@ def checkpoints_to_load(path: str | Path, tag: str | None = None) -> Path:
     return newest_group_checkpoints(path) or Path(path)
 
 
+REPLICATED_BACKENDS = ("ddp", "fsdp")
+"""Backends whose groups replicate through torchft: ``ddp``, and ``fsdp`` as HSDP (each group shards
+the model over its ranks; rank r of every group holds the same shards, and torchft all-reduces
+those across the groups, as HSDP's replicate dimension does)."""
+
+
 def check_supported(config: SailConfig, backend: str) -> None:
     """Refuse, before anything starts, what live recovery cannot yet keep exact."""
     where = config.source
     refusals = [
-        (backend != "ddp", f"sail.backend is {backend!r}",
-         "only the ddp backend all-reduces across replica groups through torchft so far",
-         'use "sail": {"backend": "ddp"}, or launch without --ft-replicas'),
+        (backend not in REPLICATED_BACKENDS, f"sail.backend is {backend!r}",
+         "only the ddp and fsdp backends all-reduce across replica groups through torchft so far",
+         'use "sail": {"backend": "ddp"} or "fsdp", or launch without --ft-replicas'),
         (config.fp16.enabled, "fp16 is enabled",
          "a loss scaler that skips a step on one group and not another would let the groups diverge",
          "use bf16 or fp32 with --ft-replicas"),
-        (config.zero_optimization.stage != 0, f"zero_optimization.stage is {config.zero_optimization.stage}",
-         "a healing group takes a peer's whole optimizer state; a sharded one is not whole",
-         "use stage 0 with --ft-replicas"),
+        (backend == "ddp" and config.zero_optimization.stage != 0,
+         f"zero_optimization.stage is {config.zero_optimization.stage}",
+         "a healing group takes a peer's whole optimizer state; ZeRO-1 over ddp shards it on its own",
+         'use stage 0, or "sail": {"backend": "fsdp"} to shard within each group'),
         (config.sail.balance != "off", "sail.balance is set",
          "with --ft-replicas the shares of a step follow the groups taking part in it",
          "turn sail.balance off"),
@@ -289,7 +296,7 @@ class ReplicaGroups:
         for parameter in parameters:
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
-            grads.append(parameter.grad)
+            grads.append(local(parameter.grad))  # fsdp: this rank's shard, the same in every group
         buckets = [(bucket, torch.cat([g.reshape(-1) for g in bucket])) for bucket in _buckets(grads)]
         works = [self.manager.allreduce(flat, reduce_op=_sum()) for _, flat in buckets]
         for work in works:
@@ -330,7 +337,7 @@ def fingerprint(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.
     a differing bit changes it, unless its weighted change is a multiple of 2**62."""
     total = torch.zeros((), dtype=torch.int64, device=device)
     for index, tensor in enumerate(tensors, start=1):
-        flat = tensor.detach().reshape(-1)
+        flat = local(tensor).detach().reshape(-1)
         if flat.is_complex():
             flat = torch.view_as_real(flat).reshape(-1)
         bits = flat.view(_BITS[flat.element_size()])
@@ -339,6 +346,24 @@ def fingerprint(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.
             weights = torch.arange(start + 1, start + part.numel() + 1, dtype=torch.int64, device=device)
             total += (part * weights).sum() * index  # int64 arithmetic wraps: still a fingerprint
     return total & (2**62 - 1)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: the local shard of a DTensor (FSDP2's parameters, gradients
+    and optimizer state; a view, so writing to it writes the shard), else the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_state(tree: Any) -> Any:
+    """``tree`` (a state dict, nested) with every DTensor replaced by its local shard: what a healing
+    group's rank takes from its counterpart, which holds the same shards."""
+    if isinstance(tree, dict):
+        return {key: local_state(value) for key, value in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(local_state(value) for value in tree)
+    return local(tree) if isinstance(tree, torch.Tensor) else tree
 
 
 def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -182,6 +182,29 @@ def test_every_signal_to_the_launcher_reaches_both_nodes_and_leaves_nothing(
     assert_no_job_left(cluster)
 
 
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
+def test_a_signal_travels_over_the_nodes_tethers_when_no_new_connection_can_be_made(
+    cluster: NamespaceCluster, tmp_path: Path, launcher: str
+) -> None:
+    # once the job runs, every node's sshd takes no new connection (its SYNs are dropped): the
+    # signal reaches both nodes' agents over the tethers' connections, which stand already
+    process = launch_with(cluster, tmp_path, launcher)
+    rule = ["INPUT", "-p", "tcp", "--syn", "--dport", "22", "-j", "DROP"]
+    blocked = []
+    try:
+        wait_for(lambda: started(tmp_path), 90, lambda: (tmp_path / "launch.log").read_text()[-3000:])
+        for name in cluster.names:
+            subprocess.run(["ip", "netns", "exec", cluster.netns[name], "iptables", "-A", *rule], check=True)
+            blocked.append(name)
+        signal_the_launcher(process, tmp_path, signal.SIGUSR1)
+    finally:
+        for name in blocked:
+            subprocess.run(["ip", "netns", "exec", cluster.netns[name], "iptables", "-D", *rule], check=True)
+        stop(tmp_path)
+        process.kill()
+    assert_no_job_left(cluster)
+
+
 @pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: s.name)
 def test_every_signal_to_the_launcher_reaches_the_tasks_of_an_allocation(
     slurm: NamespaceCluster, tmp_path: Path, signum: signal.Signals

@@ -103,7 +103,8 @@ def tether(request: LaunchRequest, host: str, job_regex: str, *, ranks: bool = F
     stop for ``--heartbeat-timeout`` seconds (the launching host was lost, or the network to it
     cut) or end without sail saying the job is done, the host ends its part of the job by itself:
     the processes whose command line matches ``job_regex`` (the torchrun agents of ssh and pdsh
-    jobs, ``agent_regex``; the ranks of mpirun and horovodrun jobs, ``rank_regex``, with ``ranks``)."""
+    jobs, ``agent_regex``; the ranks of mpirun and horovodrun jobs, ``rank_regex``, with ``ranks``).
+    A tether of agents also passes the signals sail forwards on to them (``signal NAME`` lines)."""
     timeout = request.ssh.heartbeat_timeout
     remote = [
         sys.executable,
@@ -118,6 +119,7 @@ def tether(request: LaunchRequest, host: str, job_regex: str, *, ranks: bool = F
         host=host,
         argv=request.ssh.command(host, shlex.join(remote), keepalive=True),
         heartbeat_timeout=timeout,
+        passes_signals=not ranks,
     )
 
 

@@ -57,6 +57,11 @@ class LaunchCommand:
     """Set for a heartbeat command (``agents.tether``): it reads a line a second on its standard
     input and ``done`` once every other command of the job has ended, and its ssh gives the host up
     after this many seconds without an answer. Signals are not passed on to it."""
+    passes_signals: bool = False
+    """A heartbeat command that also passes a signal on to the job's torchrun agents on its host
+    when told ``signal NAME`` on its standard input: the supervisor sends the signals of a command
+    with a ``relay`` that way when every host of the command has a connected one (no new
+    connection to wait for, so every node gets the signal within the same moment)."""
 
     @property
     def heartbeat(self) -> bool:

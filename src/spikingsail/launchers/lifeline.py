@@ -16,12 +16,15 @@ cannot be caught, so:
   (and every other host of an mpirun or horovodrun job) runs a ``tether`` over a connection of its
   own, which reads a heartbeat from sail and ends the node's torchrun agents (or ranks) when none
   came for the heartbeat timeout, or when the connection ended without sail saying the job is done.
+  The same connection carries the signals sail passes on (``signal USR1``): a tether of an ssh or
+  pdsh job sends them to its node's torchrun agents at once, with no new connection to make.
 
 Linux only; elsewhere the children are started as before.
 
     python -I lifeline.py      (the watchdog: pids and "cleanup [ARGV, ENV]" JSON lines on stdin,
                                 then "done"; standard library only)
-    python -I lifeline.py tether JOB_REGEX TIMEOUT agents|ranks   (on a node: heartbeats, then "done")
+    python -I lifeline.py tether JOB_REGEX TIMEOUT agents|ranks   (on a node: heartbeats, lines
+                                "signal NAME", then "done")
 """
 
 from __future__ import annotations
@@ -211,25 +214,32 @@ AGENT_GRACE_SECONDS = 15
 
 
 def _tether(job_regex: str, timeout: float, kind: str) -> int:
-    """Read heartbeats; on ``done`` return 0. When none came for ``timeout`` seconds, or the
-    connection ended without ``done``, end this node's part of the job: SIGTERM to the job's
-    processes found by ``job_regex`` on their command line in this network namespace (``kind``:
-    torchrun ``agents``, or the ``ranks`` themselves) and to their children; once the workers (the
-    agents' children, or the ranks) ended, at most ``AGENT_GRACE_SECONDS`` later, SIGKILL to
-    what is left of their trees."""
+    """Read heartbeats; on ``done`` return 0. On ``signal NAME`` (``USR1``) send that signal to the
+    job's torchrun agents here (``kind`` ``agents``), which pass it to their workers. When no line
+    came for ``timeout`` seconds, or the connection ended without ``done``, end this node's part of
+    the job: SIGTERM to the job's processes found by ``job_regex`` on their command line in this
+    network namespace (``kind``: torchrun ``agents``, or the ``ranks`` themselves) and to their
+    children; once the workers (the agents' children, or the ranks) ended, at most
+    ``AGENT_GRACE_SECONDS`` later, SIGKILL to what is left of their trees."""
     _say(TETHER_READY)
     last = time.monotonic()
-    said = b""
+    pending = b""
     while True:
         ready, _, _ = select.select([sys.stdin.fileno()], [], [], 0.5)
         if ready:
             chunk = os.read(sys.stdin.fileno(), 4096)
             if not chunk:
+                if pending.strip() == b"done":
+                    return 0
                 why = "the connection to sail launch ended"
                 break
-            said = (said + chunk)[-16:]
-            if b"done" in said:
-                return 0
+            *lines, pending = (pending + chunk).split(b"\n")
+            pending = pending[-64:]
+            for line in lines:
+                if line == b"done":
+                    return 0
+                if line.startswith(b"signal ") and kind == "agents":
+                    _pass_on(job_regex, line.removeprefix(b"signal ").decode(errors="replace"))
             last = time.monotonic()
         elif time.monotonic() - last > timeout:
             why = (
@@ -253,6 +263,18 @@ def _tether(job_regex: str, timeout: float, kind: str) -> int:
         time.sleep(0.1)
     _signal(targets, signal.SIGKILL)
     return 1
+
+
+def _pass_on(job_regex: str, name: str) -> None:
+    """Send the signal ``name`` (``USR1``) to the job's torchrun agents in this network namespace,
+    as ``agents.signal_relay`` does over a connection of its own."""
+    signum = getattr(signal, f"SIG{name}", None)
+    if not isinstance(signum, signal.Signals) or signum == signal.SIGKILL:
+        _say(f"sail tether on {socket.gethostname()}: no signal named {name!r} to pass on")
+        return
+    for pid in _agents(re.compile(job_regex)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
 
 
 def _say(line: str) -> None:

@@ -4,9 +4,10 @@ Each command's output is relayed line by line with its host as prefix, and the l
 kept so that a failure can be reported with the host, the rank torchrun names, the exit status
 and what the failing node printed last (``failure``).
 
-The signals torchrun handles and SIGUSR1 are passed on to the job, not acted on here: over a
-second connection to the agents of ssh and pdsh commands (``LaunchCommand.relay``), or to the
-command itself where it passes them on (srun, mpirun). The job then has ``DRAIN_SECONDS`` to end
+The signals torchrun handles and SIGUSR1 are passed on to the job, not acted on here: to the
+agents of ssh and pdsh commands through each host's tether, which is connected already
+(``LaunchCommand.passes_signals``), or over a new connection where a host has none
+(``LaunchCommand.relay``); or to the command itself where it passes them on (srun, mpirun). The job then has ``DRAIN_SECONDS`` to end
 (workers save a checkpoint on SIGTERM and SIGUSR1) before what is left is stopped; a second
 signal stops it at once. Nothing the job started outlives the supervisor.
 """
@@ -210,6 +211,19 @@ class _Heartbeat:
             self._over.set()
             self._send(b"done\n", close=True)
 
+    def tell(self, tethers: list[Running], line: bytes) -> bool:
+        """Write ``line`` to each of ``tethers``; whether every write went through."""
+        with self._lock:
+            for run in tethers:
+                if run.process.stdin is None or run.process.stdin.closed:
+                    return False
+                try:
+                    run.process.stdin.write(line)
+                    run.process.stdin.flush()
+                except OSError:
+                    return False
+        return True
+
     def _send(self, line: bytes, *, close: bool) -> None:
         with self._lock:
             for run in self._tethers:
@@ -232,7 +246,7 @@ def _wait(
         if len(received) > forwarded:
             if forwarded:  # a second signal: stop now
                 return None
-            _forward(running, received[0])
+            _forward(running, received[0], heartbeat)
             forwarded, drain_until = 1, time.monotonic() + DRAIN_SECONDS
         if all(r.process.poll() is not None for r in running if not r.command.heartbeat):
             heartbeat.release()
@@ -263,9 +277,12 @@ def _first_failure(states: list[tuple[Running, int | None]]) -> Failure | None:
     return None
 
 
-def _forward(running: list[Running], signum: int) -> None:
-    """Pass a signal on to every command still running: through its relay, or to it directly."""
+def _forward(running: list[Running], signum: int, heartbeat: _Heartbeat) -> None:
+    """Pass a signal on to every command still running: through the tethers of its hosts, its
+    relay, or to it directly."""
     name = signal.Signals(signum).name.removeprefix("SIG")
+    tethers = {r.command.host: r for r in running
+               if r.command.passes_signals and r.connected and r.process.poll() is None}  # fmt: skip
     for run in running:
         if run.process.poll() is not None or run.command.heartbeat:
             continue
@@ -273,6 +290,11 @@ def _forward(running: list[Running], signum: int) -> None:
             stand_in = run.command.stand_ins.get(f"SIG{name}", f"SIG{name}")
             with contextlib.suppress(ProcessLookupError):
                 os.kill(run.process.pid, signal.Signals[stand_in])
+            continue
+        hosts = run.command.host.split(",")  # pdsh: one command for several hosts
+        if all(host in tethers for host in hosts) and heartbeat.tell(
+            [tethers[host] for host in hosts], f"signal {name}\n".encode()
+        ):
             continue
         relay = subprocess.Popen(
             [*run.command.relay, name],

@@ -16,31 +16,37 @@ PER_SAMPLE = (1 / 8000, 1 / 2800)
 """Seconds per sample: rank 1 computes about 2.9 times slower."""
 
 
+Costs = tuple[tuple[float, float], tuple[float, float]]
+"""(fixed seconds per step, seconds per sample) of rank 0 and of rank 1."""
+COSTS: Costs = ((FIXED[0], PER_SAMPLE[0]), (FIXED[1], PER_SAMPLE[1]))
+
+
 class ScriptedTimer:
     """Stands in for ``ComputeTimer``: rank 0's compute time for its current share."""
 
-    def __init__(self, balancer: Balancer) -> None:
+    def __init__(self, balancer: Balancer, costs: Costs) -> None:
         self.balancer = balancer
+        self.costs = costs
 
     def take(self) -> tuple[float, int]:
         share = self.balancer.split[0]
-        return FIXED[0] + PER_SAMPLE[0] * share, share
+        return times(self.balancer.split, self.costs)[0], share
 
     def restart(self) -> None:
         pass
 
 
-def times(split: list[int]) -> list[float]:
-    return [FIXED[r] + PER_SAMPLE[r] * split[r] for r in range(2)]
+def times(split: list[int], costs: Costs = COSTS) -> list[float]:
+    return [costs[r][0] + costs[r][1] * split[r] for r in range(2)]
 
 
-def run(steps: int) -> Balancer:
+def run(steps: int, costs: Costs = COSTS) -> Balancer:
     balancer = Balancer(global_micro_batch=GLOBAL, world_size=2, weights=None, rebalance_factor=1.25)
-    balancer.timer = ScriptedTimer(balancer)  # type: ignore[assignment]
+    balancer.timer = ScriptedTimer(balancer, costs)  # type: ignore[assignment]
 
     def all_reduce_sum(mine: torch.Tensor) -> torch.Tensor:
         other = balancer.split[1]
-        mine[1] = torch.tensor([FIXED[1] + PER_SAMPLE[1] * other, other], dtype=torch.float64)
+        mine[1] = torch.tensor([times(balancer.split, costs)[1], other], dtype=torch.float64)
         return mine
 
     for step in range(1, steps + 1):
@@ -61,3 +67,53 @@ def test_auto_converges_on_even_times_within_the_refinement_windows() -> None:
     assert max(final) / min(final) < 1.02, (balancer.split, final)
     # once even, the split holds still: no change after the refinement windows
     assert balancer.changes == run(first + 10 * MEASURE_STEPS).changes
+
+
+def test_a_slow_ranks_small_share_is_refined_by_the_time_it_costs_not_by_the_samples_it_moves() -> None:
+    # rank 1 is 2.6 times slower and has a fixed cost per step: the first split leaves it almost 4%
+    # slower than rank 0, which an even split fixes by moving 15 samples (under 1% of the global
+    # micro-batch, but 3% of rank 1's share)
+    costs: Costs = ((0.0, 1 / 10000), (0.012, 1 / 3800))
+    first = WARMUP_STEPS + MEASURE_STEPS
+    (change,) = run(first, costs).changes
+    slow, fast = times(change["split"], costs)[1], times(change["split"], costs)[0]
+    assert slow / fast > 1.03, change
+    balancer = run(first + 3 * MEASURE_STEPS, costs)
+    (refined,) = [c for c in balancer.changes if c["refined"]]
+    moved = abs(refined["split"][1] - change["split"][1])
+    assert 0 < moved < 0.01 * GLOBAL, (change, refined)
+    final = times(balancer.split, costs)
+    assert max(final) / min(final) < 1.01, (balancer.split, final)
+    assert balancer.changes == run(first + 10 * MEASURE_STEPS, costs).changes
+
+
+def drifted(drift: float, steps: int) -> Balancer:
+    """Converged on ``COSTS`` by step 40, then rank 1's cost per sample grows by ``drift``."""
+    balancer = Balancer(global_micro_batch=GLOBAL, world_size=2, weights=None, rebalance_factor=1.25)
+    costs: list[Costs] = [COSTS]
+    timer = ScriptedTimer(balancer, COSTS)
+    balancer.timer = timer  # type: ignore[assignment]
+
+    def all_reduce_sum(mine: torch.Tensor) -> torch.Tensor:
+        mine[1] = torch.tensor([times(balancer.split, costs[0])[1], balancer.split[1]], dtype=torch.float64)
+        return mine
+
+    for step in range(1, steps + 1):
+        if step == 41:
+            costs[0] = timer.costs = (COSTS[0], (COSTS[1][0], COSTS[1][1] * (1 + drift)))
+        balancer.after_step(step, all_reduce_sum, rank=0)
+    return balancer
+
+
+def test_a_slow_drift_below_the_factor_is_followed_and_a_small_one_is_not() -> None:
+    before = drifted(0.0, 40)
+    # rank 1 10% slower per sample (well below the factor of 1.25): within a window, a new split
+    # that evens the times again
+    after = drifted(0.10, 40 + 2 * MEASURE_STEPS)
+    new = [c for c in after.changes if c["step"] > 40]
+    assert new and new[0]["step"] <= 40 + MEASURE_STEPS, after.changes
+    assert after.split[1] < before.split[1]
+    final = times(after.split, ((COSTS[0]), (COSTS[1][0], COSTS[1][1] * 1.10)))
+    assert max(final) / min(final) < 1.05, (after.split, final)
+    # 2% slower: within the noise a measurement has, the split holds still
+    assert drifted(0.02, 40 + 4 * MEASURE_STEPS).changes == before.changes

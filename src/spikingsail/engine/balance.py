@@ -13,9 +13,12 @@ for a slow one does not count as work. After a warm-up step it measures ``MEASUR
 steps, splits in proportion to the ranks' samples per second of compute over those steps, and
 keeps watching: when a rank's share of the total speed moves by more than
 ``rebalance_factor`` over the last ``MEASURE_STEPS`` steps, it splits again. In the
-``REFINE_WINDOWS`` windows after a change it also takes the split the new window's speeds give when
-that moves a share by more than ``REFINE_TOLERANCE`` of the global micro-batch: a rank's speed per
-sample, measured at one share, need not hold at another, and the split converges on even times.
+``REFINE_WINDOWS`` windows after a change it also takes the split the new window's speeds give when,
+at the split in use, the slowest rank's compute took more than ``REFINE_TOLERANCE`` longer than an
+even split's would: a rank's speed per sample, measured at one share, need not hold at another,
+and the split converges on even times. At any later step it splits again when the slowest rank's
+compute over the last ``MEASURE_STEPS`` steps took more than ``DRIFT_TOLERANCE`` longer than even
+(a slow drift of a rank's speed, below the factor).
 Every rank decides from the same all-reduced numbers, so the split changes at the same step
 everywhere. Backends whose ranks also wait for each other inside forward and backward (FSDP's
 all-gathers) would hide the difference there; they take fixed weights only.
@@ -41,8 +44,14 @@ log = logging.getLogger(__name__)
 WARMUP_STEPS = 1
 MEASURE_STEPS = 8
 REFINE_WINDOWS = 2
-"""Measurement windows after a change of split in which a better-even split is taken (``_closer``)."""
+"""Measurement windows after a change of split in which a better-even split is taken (``_uneven``)."""
 REFINE_TOLERANCE = 0.02
+"""How much longer than an even split's the slowest rank's compute time may be before a refinement
+window splits again (a fraction of the even time)."""
+DRIFT_TOLERANCE = 0.05
+"""The same, at any later step (over the last ``MEASURE_STEPS`` steps): a rank whose speed drifts
+by less than ``rebalance_factor`` but costs the step more than this is followed too. Wider than
+``REFINE_TOLERANCE`` so that measurement noise does not move the split back and forth."""
 
 
 class ComputeTimer:
@@ -169,13 +178,14 @@ class Balancer:
         split = split_batch(self.global_micro_batch, speeds)
         refined = False
         if self._reference is not None and not self._moved(fractions):
-            # no rank's speed moved by the factor; shortly after a change, take a split that
-            # evens the ranks' times better, measured at the split now in use (a rank's speed per
-            # sample need not be the same at another share)
-            if not self._refines or not self._closer(split):
+            # no rank's speed moved by the factor. Shortly after a change, take a split that evens
+            # the ranks' times better, measured at the split now in use (a rank's speed per sample
+            # need not be the same at another share); later, one that corrects a slow drift.
+            tolerance = REFINE_TOLERANCE if self._refines else DRIFT_TOLERANCE
+            if not self._uneven(speeds, tolerance):
                 self._refines = 0
                 return None
-            self._refines -= 1
+            self._refines = max(self._refines - 1, 0)
             refined = True
         else:
             self._refines = REFINE_WINDOWS
@@ -191,11 +201,14 @@ class Balancer:
                      " (refined)" if refined else "", ", ".join(f"{s:.1f}" for s in speeds), split)  # fmt: skip
         return change
 
-    def _closer(self, split: list[int]) -> bool:
-        """Whether ``split`` moves some rank's share by more than ``REFINE_TOLERANCE`` of the global
-        micro-batch (smaller moves are within the measurement's noise)."""
-        limit = REFINE_TOLERANCE * self.global_micro_batch
-        return any(abs(new - old) > limit for new, old in zip(split, self.split, strict=True))
+    def _uneven(self, speeds: list[float], tolerance: float) -> bool:
+        """Whether, at the split in use and the ``speeds`` (samples/s) measured at it, the slowest
+        rank's compute took more than ``tolerance`` longer than an even split's would. A criterion
+        in time, not in samples: a small move of a slow rank's small share can be a large part of
+        its time."""
+        times = [n / max(s, 1e-12) for n, s in zip(self.split, speeds, strict=True)]
+        even = self.global_micro_batch / max(math.fsum(speeds), 1e-12)
+        return max(times) > even * (1 + tolerance)
 
     def _moved(self, fractions: list[float]) -> bool:
         assert self._reference is not None

@@ -110,17 +110,26 @@ def test_the_configs_optimizer_is_built_by_deepspeed(ddp: dict[int, Any]) -> Non
             torch.testing.assert_close(ds[rank]["params"][key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_resume_is_exact(tmp_path: Path, stage: int) -> None:
-    cfg = config("deepspeed", stage)
-    straight = run_ranks(train, 2, cfg)
-    assert run_ranks(train, 2, cfg, str(tmp_path), 6) == {0: None, 1: None}
+@pytest.mark.parametrize(("stage", "optimizer"), [(2, "client"), (3, "client"), (2, "config")])
+def test_resume_is_exact(tmp_path: Path, stage: int, optimizer: str) -> None:
+    # "config": the config's optimizer, which DeepSpeed builds itself (FusedAdam) and checkpoints
+    # with its own state (step counts, moments)
+    extra = (
+        {"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}}
+        if optimizer == "config"
+        else {}
+    )
+    cfg = config("deepspeed", stage, **extra)
+    client = optimizer == "client"
+    straight = run_ranks(train, 2, cfg, None, None, False, client)
+    assert run_ranks(train, 2, cfg, str(tmp_path), 6, False, client) == {0: None, 1: None}
     state = tmp_path / "global_step3" / "state" / "deepspeed"
     assert sorted(p.name for p in state.glob("zero_pp_rank_*optim_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]  # fmt: skip
-    resumed = run_ranks(train, 2, cfg, str(tmp_path), None, True)
+    resumed = run_ranks(train, 2, cfg, str(tmp_path), None, True, client)
     for rank in (0, 1):
         assert resumed[rank]["steps"] == MICRO_STEPS // 2
+        assert resumed[rank]["optimizer"] == straight[rank]["optimizer"]
         for key, value in straight[rank]["params"].items():
             assert torch.equal(resumed[rank]["params"][key], value), key
 

@@ -107,13 +107,13 @@ def drifted(drift: float, steps: int) -> Balancer:
 
 def test_a_slow_drift_below_the_factor_is_followed_and_a_small_one_is_not() -> None:
     before = drifted(0.0, 40)
-    # rank 1 10% slower per sample (well below the factor of 1.25): within a window, a new split
-    # that evens the times again
-    after = drifted(0.10, 40 + 2 * MEASURE_STEPS)
+    # rank 1 20% slower per sample (its share of the speed moves by less than the factor of 1.25):
+    # within a window, a new split that evens the times again
+    after = drifted(0.20, 40 + 2 * MEASURE_STEPS)
     new = [c for c in after.changes if c["step"] > 40]
     assert new and new[0]["step"] <= 40 + MEASURE_STEPS, after.changes
     assert after.split[1] < before.split[1]
-    final = times(after.split, ((COSTS[0]), (COSTS[1][0], COSTS[1][1] * 1.10)))
+    final = times(after.split, ((COSTS[0]), (COSTS[1][0], COSTS[1][1] * 1.20)))
     assert max(final) / min(final) < 1.05, (after.split, final)
-    # 2% slower: within the noise a measurement has, the split holds still
-    assert drifted(0.02, 40 + 4 * MEASURE_STEPS).changes == before.changes
+    # 6% slower: within the noise of an 8-step window on a shared machine, the split holds still
+    assert drifted(0.06, 40 + 4 * MEASURE_STEPS).changes == before.changes

@@ -84,8 +84,13 @@ def main() -> None:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO * (args.reference or 1),
         "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
-        "sail": {"seed": 1, "progress_bar": False, "hang_timeout_seconds": 0, "straggler_window": 0,
-                 "backend": args.backend},
+        "sail": {
+            "seed": 1,
+            "progress_bar": False,
+            "hang_timeout_seconds": 0,
+            "straggler_window": 0,
+            "backend": args.backend,
+        },
         "fault_tolerance": {
             "timeout_seconds": 3,
             "quorum_timeout_seconds": 60,

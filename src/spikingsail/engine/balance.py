@@ -48,7 +48,7 @@ REFINE_WINDOWS = 2
 REFINE_TOLERANCE = 0.02
 """How much longer than an even split's the slowest rank's compute time may be before a refinement
 window splits again (a fraction of the even time)."""
-DRIFT_TOLERANCE = 0.05
+DRIFT_TOLERANCE = 0.10
 """The same, at any later step (over the last ``MEASURE_STEPS`` steps): a rank whose speed drifts
 by less than ``rebalance_factor`` but costs the step more than this is followed too. Wider than
 ``REFINE_TOLERANCE`` so that measurement noise does not move the split back and forth."""
@@ -181,11 +181,15 @@ class Balancer:
             # no rank's speed moved by the factor. Shortly after a change, take a split that evens
             # the ranks' times better, measured at the split now in use (a rank's speed per sample
             # need not be the same at another share); later, one that corrects a slow drift.
-            tolerance = REFINE_TOLERANCE if self._refines else DRIFT_TOLERANCE
-            if not self._uneven(speeds, tolerance):
-                self._refines = 0
+            if self._refines:
+                if not self._uneven(speeds, REFINE_TOLERANCE):
+                    self._refines = 0
+                    return None
+                self._refines -= 1
+            elif self._uneven(speeds, DRIFT_TOLERANCE):
+                self._refines = REFINE_WINDOWS  # measured at the old shares: refined as after a change
+            else:
                 return None
-            self._refines = max(self._refines - 1, 0)
             refined = True
         else:
             self._refines = REFINE_WINDOWS

@@ -212,11 +212,13 @@ class _Heartbeat:
             self._send(b"done\n", close=True)
 
     def tell(self, tethers: list[Running], line: bytes) -> bool:
-        """Write ``line`` to each of ``tethers``; whether every write went through."""
+        """Write ``line`` to each of ``tethers``; whether every write went through (none is
+        written when one of them is closed already)."""
         with self._lock:
+            if any(run.process.stdin is None or run.process.stdin.closed for run in tethers):
+                return False
             for run in tethers:
-                if run.process.stdin is None or run.process.stdin.closed:
-                    return False
+                assert run.process.stdin is not None
                 try:
                     run.process.stdin.write(line)
                     run.process.stdin.flush()

@@ -10,8 +10,10 @@ device). The model is compute-bound (an MLP; by default 1024-sample micro-batche
 average and 4 of them per optimizer step, so the all-reduce is a small part of a step).
 
 standalone  each rank's training samples/s alone (a DataLoader over the same data, forward,
-            backward, SGD step, no all-reduce),
-            both at the same time, under the same quota; ideal = their sum
+            backward, SGD step, no all-reduce), both at the same time, under the same quota,
+            measured before and after the two runs; ideal = the sum of their means; and once
+            more at the shares auto chose (a rank's speed per sample depends on its
+            micro-batch); ratios are to the larger ideal
 off         2 ranks, equal micro-batches: every step waits for the slow rank
 auto        2 ranks, ``"sail": {"balance": "auto"}``: throughput of the steps after its split and refinement
 
@@ -60,10 +62,11 @@ def join(group: str) -> int:
     return rank
 
 
-def standalone(group: str, seconds: float, micro: int) -> float:
-    """Samples/s of a plain training loop on this rank alone: torch's DataLoader over the same data
-    set, forward, backward, SGD step; no process group work in the loop."""
-    join(group)
+def standalone(group: str, seconds: float, micros: list[int]) -> float:
+    """Samples/s of a plain training loop on this rank alone, at micro-batches of ``micros[rank]``:
+    torch's DataLoader over the same data set, forward, backward, SGD step; no process group work
+    in the loop."""
+    micro = micros[join(group)]
     dist.init_process_group("gloo")
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -120,7 +123,7 @@ def main() -> None:
     )
     parser.add_argument("--micro", type=int, default=1024, help="samples per rank and micro-step, on average")
     parser.add_argument("--accumulation", type=int, default=4, help="gradient_accumulation_steps")
-    parser.add_argument("--seconds", type=float, default=3.0, help="length of the standalone measurement")
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each standalone measurement")
     args = parser.parse_args()
     if not (CPU_CGROUPS / "cpu.cfs_quota_us").exists():
         raise SystemExit(
@@ -131,16 +134,15 @@ def main() -> None:
     try:
         (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
         (group / "cpu.cfs_quota_us").write_text(str(PERIOD_US * args.quota // 100))
-        alone = run_processes(standalone, 2, (str(group), args.seconds, args.micro))
-        ideal = alone[0] + alone[1]
-        rows = [("standalone rank 0 (full core)", alone[0], None),
-                (f"standalone rank 1 ({args.quota}% of a core)", alone[1], None),
-                ("ideal (sum)", ideal, None)]  # fmt: skip
+        equal = [args.micro, args.micro]
+        before = run_processes(standalone, 2, (str(group), args.seconds, equal))
+        runs = {}
         for balance in ("off", "auto"):
-            result = run_processes(
+            runs[balance] = run_processes(
                 train, 2, (str(group), balance, args.steps, args.micro, args.accumulation)
             )[0]
-            rows.append((f"balance {balance}", result["samples_per_s"], result["split"]))
+        after = run_processes(standalone, 2, (str(group), args.seconds, equal))
+        at_split = run_processes(standalone, 2, (str(group), args.seconds, runs["auto"]["split"]))
     finally:
         for _ in range(50):
             try:
@@ -148,9 +150,25 @@ def main() -> None:
                 break
             except OSError:
                 time.sleep(0.1)
-    print(f"\n{'run':40} {'samples/s':>10} {'÷ ideal':>8}  split")
-    for name, speed, split in rows:
-        print(f"{name:40} {speed:10.0f} {speed / ideal:8.2f}  {split or ''}")
+    # A throttled rank's speed drifts by a few percent over a minute: at equal micro-batches, the
+    # mean of a measurement before and one after the runs. A rank's speed per sample also depends
+    # on its micro-batch (bigger matrices, fixed costs per batch spread wider): the ranks alone at
+    # the split auto chose give a second ideal. Ratios are to the larger of the two.
+    alone = [(before[r] + after[r]) / 2 for r in (0, 1)]
+    ideal = max(sum(alone), sum(at_split.values()))
+    split = runs["auto"]["split"]
+    rows = [
+        ("standalone rank 0 (full core)", alone[0], f"{args.micro}: before {before[0]:.0f}, after {after[0]:.0f}"),
+        (f"standalone rank 1 ({args.quota}% of a core)", alone[1], f"{args.micro}: before {before[1]:.0f}, after {after[1]:.0f}"),
+        ("  ideal at equal micro-batches (sum)", sum(alone), None),
+        ("standalone rank 0 at auto's share", at_split[0], split[0]),
+        ("standalone rank 1 at auto's share", at_split[1], split[1]),
+        ("  ideal at auto's split (sum)", sum(at_split.values()), None),
+        *((f"balance {name}", run["samples_per_s"], run["split"]) for name, run in runs.items()),
+    ]  # fmt: skip
+    print(f"\n{'run':40} {'samples/s':>10} {'÷ ideal':>8}  split / measurements")
+    for name, speed, detail in rows:
+        print(f"{name:40} {speed:10.0f} {speed / ideal:8.2f}  {detail or ''}")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ the **survivor's stall** (the longest gap between two of its committed steps aft
 the median step), the time until the **replacement is back in step** (the kill to its first
 committed step), and the **steps redone** (committed a second time after a restart). A third and
 fourth run, without a fault and without the sleep, compare the median step time of the two (the
-steady-state cost of torchft's quorum, vote and cross-group all-reduce). Prints the numbers and the
-ratio.
+steady-state cost of torchft's quorum, vote and cross-group all-reduce), and a fifth and sixth (one
+epoch) the same with ``--device-ms`` of sleep per step standing in for a GPU's compute, during which
+the host only waits: that cost as a share of a realistic step. Prints the numbers and the ratios.
 """
 
 from __future__ import annotations
@@ -98,6 +99,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5, help="12 steps each")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--kill-step", type=int, default=20)
+    parser.add_argument(
+        "--device-ms", type=float, default=200.0,
+        help="a last steady-state pair with this much sleep per step, standing in for a GPU's compute "
+             "(the host waits on the device meanwhile): the fixed cost per step as a share of such a step",
+    )  # fmt: skip
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         rows = {}
@@ -106,10 +112,15 @@ def main() -> None:
             entries = run(out, live, args.epochs, args.hidden, args.kill_step, sleep=0.05)
             killed_at = float((out / f"killed-{1 if live else 0}").read_text())
             rows[name] = fault_numbers(entries, killed_at, live)
-        steady = {}
+        steady, device = {}, {}
         for name, live in (("live", True), ("plain", False)):
             entries = run(Path(tmp) / f"steady-{name}", live, args.epochs, args.hidden, None)
             steady[name] = median_step(survivor(entries, live))
+            if args.device_ms > 0:
+                entries = run(
+                    Path(tmp) / f"device-{name}", live, 1, args.hidden, None, sleep=args.device_ms / 1000
+                )
+                device[name] = median_step(survivor(entries, live))
     print(f"one worker SIGKILLed at step {args.kill_step} of {args.epochs * 12}; hidden width {args.hidden}")
     print(f"{'':40}{'stall s':>10}{'back in step s':>16}{'steps redone':>14}{'median step s':>15}")
     for name, row in rows.items():
@@ -118,6 +129,10 @@ def main() -> None:
     print(f"steady state, no fault: median step {steady['live']:.4f} s with replica groups, {steady['plain']:.4f} s "
           f"plain DDP: ratio {steady['live'] / steady['plain']:.2f}, "
           f"+{(steady['live'] - steady['plain']) * 1000:.1f} ms per step")  # fmt: skip
+    if device:
+        print(f"with {args.device_ms:.0f} ms of device time per step (sleep): median step {device['live']:.4f} s "
+              f"with replica groups, {device['plain']:.4f} s plain DDP: ratio {device['live'] / device['plain']:.3f}, "
+              f"+{(device['live'] - device['plain']) * 1000:.1f} ms per step")  # fmt: skip
 
 
 if __name__ == "__main__":

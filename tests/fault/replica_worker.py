@@ -119,8 +119,8 @@ def main() -> None:
                 and chosen
                 and step >= args.kill_step
                 and not marker.exists()
-                and engine.replicas.manager.num_participants() == groups
-            ):  # the kill must find a peer
+                and (engine.replicas is None or engine.replicas.manager.num_participants() == groups)
+            ):  # the kill must find a peer (plain DDP: the other rank)
                 marker.write_text(f"{time.time()}")
                 if args.kill_in == "between":
                     os.kill(os.getpid(), signal.SIGKILL)

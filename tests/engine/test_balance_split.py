@@ -40,18 +40,26 @@ def times(split: list[int], costs: Costs = COSTS) -> list[float]:
     return [costs[r][0] + costs[r][1] * split[r] for r in range(2)]
 
 
-def run(steps: int, costs: Costs = COSTS) -> Balancer:
+def run(steps: int, costs: Costs = COSTS, drift: float = 0.0) -> Balancer:
+    """``steps`` optimizer steps at ``costs``; with ``drift``, rank 1's cost per sample grows by that
+    fraction from step ``DRIFT_STEP`` on (the split has converged by then)."""
     balancer = Balancer(global_micro_batch=GLOBAL, world_size=2, weights=None, rebalance_factor=1.25)
-    balancer.timer = ScriptedTimer(balancer, costs)  # type: ignore[assignment]
+    timer = ScriptedTimer(balancer, costs)
+    balancer.timer = timer  # type: ignore[assignment]
 
     def all_reduce_sum(mine: torch.Tensor) -> torch.Tensor:
         other = balancer.split[1]
-        mine[1] = torch.tensor([times(balancer.split, costs)[1], other], dtype=torch.float64)
+        mine[1] = torch.tensor([times(balancer.split, timer.costs)[1], other], dtype=torch.float64)
         return mine
 
     for step in range(1, steps + 1):
+        if drift and step == DRIFT_STEP:
+            timer.costs = (costs[0], (costs[1][0], costs[1][1] * (1 + drift)))
         balancer.after_step(step, all_reduce_sum, rank=0)
     return balancer
+
+
+DRIFT_STEP = 41
 
 
 def test_auto_converges_on_even_times_within_the_refinement_windows() -> None:
@@ -87,33 +95,15 @@ def test_a_slow_ranks_small_share_is_refined_by_the_time_it_costs_not_by_the_sam
     assert balancer.changes == run(first + 10 * MEASURE_STEPS, costs).changes
 
 
-def drifted(drift: float, steps: int) -> Balancer:
-    """Converged on ``COSTS`` by step 40, then rank 1's cost per sample grows by ``drift``."""
-    balancer = Balancer(global_micro_batch=GLOBAL, world_size=2, weights=None, rebalance_factor=1.25)
-    costs: list[Costs] = [COSTS]
-    timer = ScriptedTimer(balancer, COSTS)
-    balancer.timer = timer  # type: ignore[assignment]
-
-    def all_reduce_sum(mine: torch.Tensor) -> torch.Tensor:
-        mine[1] = torch.tensor([times(balancer.split, costs[0])[1], balancer.split[1]], dtype=torch.float64)
-        return mine
-
-    for step in range(1, steps + 1):
-        if step == 41:
-            costs[0] = timer.costs = (COSTS[0], (COSTS[1][0], COSTS[1][1] * (1 + drift)))
-        balancer.after_step(step, all_reduce_sum, rank=0)
-    return balancer
-
-
 def test_a_slow_drift_below_the_factor_is_followed_and_a_small_one_is_not() -> None:
-    before = drifted(0.0, 40)
+    before = run(DRIFT_STEP - 1)
     # rank 1 20% slower per sample (its share of the speed moves by less than the factor of 1.25):
     # within a window, a new split that evens the times again
-    after = drifted(0.20, 40 + 2 * MEASURE_STEPS)
-    new = [c for c in after.changes if c["step"] > 40]
-    assert new and new[0]["step"] <= 40 + MEASURE_STEPS, after.changes
+    after = run(DRIFT_STEP - 1 + 2 * MEASURE_STEPS, drift=0.20)
+    new = [c for c in after.changes if c["step"] >= DRIFT_STEP]
+    assert new and new[0]["step"] < DRIFT_STEP + MEASURE_STEPS, after.changes
     assert after.split[1] < before.split[1]
     final = times(after.split, ((COSTS[0]), (COSTS[1][0], COSTS[1][1] * 1.20)))
     assert max(final) / min(final) < 1.05, (after.split, final)
     # 6% slower: within the noise of an 8-step window on a shared machine, the split holds still
-    assert drifted(0.06, 40 + 4 * MEASURE_STEPS).changes == before.changes
+    assert run(DRIFT_STEP - 1 + 4 * MEASURE_STEPS, drift=0.06).changes == before.changes

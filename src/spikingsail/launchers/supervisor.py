@@ -7,9 +7,9 @@ and what the failing node printed last (``failure``).
 The signals torchrun handles and SIGUSR1 are passed on to the job, not acted on here: to the
 agents of ssh and pdsh commands through each host's tether, which is connected already
 (``LaunchCommand.passes_signals``), or over a new connection where a host has none
-(``LaunchCommand.relay``); or to the command itself where it passes them on (srun, mpirun). The job then has ``DRAIN_SECONDS`` to end
-(workers save a checkpoint on SIGTERM and SIGUSR1) before what is left is stopped; a second
-signal stops it at once. Nothing the job started outlives the supervisor.
+(``LaunchCommand.relay``); or to the command itself where it passes them on (srun, mpirun). The
+job then has ``DRAIN_SECONDS`` to end (workers save a checkpoint on SIGTERM and SIGUSR1) before
+what is left is stopped; a second signal stops it at once. Nothing the job started outlives the supervisor.
 """
 
 from __future__ import annotations

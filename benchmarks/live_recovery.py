@@ -16,7 +16,7 @@ From every committed step's wall-clock time (the worker's ledger) and the kill's
 the **survivor's stall** (the longest gap between two of its committed steps after the kill, less
 the median step), the time until the **replacement is back in step** (the kill to its first
 committed step), and the **steps redone** (committed a second time after a restart). A third and
-fourth run, without a fault and without the sleep, compare the median step time of the two (the
+fourth run, without a fault, the sleep or checkpoints, compare the median step time of the two (the
 steady-state cost of torchft's quorum, vote and cross-group all-reduce), and a fifth and sixth (one
 epoch) the same with ``--device-ms`` of sleep per step standing in for a GPU's compute, during which
 the host only waits: that cost as a share of a realistic step. Prints the numbers and the ratios.
@@ -49,7 +49,7 @@ def run(
     if kill_step is not None:
         args += ["--kill-group", "1" if live else "0", "--kill-rank", "0" if live else "1",
                  "--kill-step", str(kill_step)]  # fmt: skip
-    if not live:
+    if not live and kill_step is not None:  # the restart's checkpoints; steady-state runs save none
         args += ["--checkpoints", str(out / "ckpt"), "--resume"]
     done = subprocess.run([*SAIL, *flags, "--max-restarts", "3", *args], capture_output=True, text=True,
                           check=False, cwd=ROOT)  # fmt: skip

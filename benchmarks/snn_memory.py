@@ -2,6 +2,7 @@
 
     python benchmarks/snn_memory.py                      # both models, T = 4, 8, 16, 32, chunks of 4
     python benchmarks/snn_memory.py --models sew --chunk 2 --steps 3
+    python benchmarks/snn_memory.py --models sew --size 64 --batch 16 --time-steps 4 16
 
 Each measurement runs in a fresh process: the model, one batch and the engine (one process, the
 config's ``snn.time_chunk``) are built, the peak counter is reset, and one training step (forward,
@@ -18,7 +19,9 @@ prints the chunk it chose.
 
 The models: the example SNN (``examples/snn_digits.py``'s spiking CNN, batch norm per chunk, since
 its multi-step batch norm spans T × N) at 32×32 inputs, and spikingjelly's SEW-ResNet-18 (IF neurons,
-ADD connections) with batch norm through time (one norm per step, which chunks exactly) at 32×32.
+ADD connections) with batch norm through time (one norm per step, which chunks exactly) at 32×32,
+or at ``--size`` pixels (an ImageNet model: at 32×32 its 43 MiB of weight gradients outweigh a time
+step's activations, 26 MiB at batch 32).
 """
 
 from __future__ import annotations
@@ -60,7 +63,14 @@ def build(model: str, time_steps: int) -> Any:
 
 
 def measure(
-    model: str, time_steps: int, chunk: int | str, steps: int, budget: float | None, memory: bool, batch: int
+    model: str,
+    time_steps: int,
+    chunk: int | str,
+    steps: int,
+    budget: float | None,
+    memory: bool,
+    batch: int,
+    size: int = 32,
 ) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
@@ -83,7 +93,7 @@ def measure(
                 "sail": {"progress_bar": False, "hang_timeout_seconds": 0, "straggler_window": 0}},
     )  # fmt: skip
     channels = 1 if model == "example" else 3
-    x = torch.rand(batch, channels, 32, 32, device=engine.device)
+    x = torch.rand(batch, channels, size, size, device=engine.device)
     y = torch.randint(0, 10, (batch,), device=engine.device)
 
     def step() -> None:
@@ -132,7 +142,13 @@ def _status(key: str) -> int:
 
 
 def run_one(
-    model: str, time_steps: int, chunk: int | str, steps: int, batch: int, budget: float | None = None
+    model: str,
+    time_steps: int,
+    chunk: int | str,
+    steps: int,
+    batch: int,
+    budget: float | None = None,
+    size: int = 32,
 ) -> dict[str, Any]:
     """The peak (one process) and the step time (another) of one model, T and chunk setting."""
     out: dict[str, Any] = {}
@@ -142,7 +158,7 @@ def run_one(
             env["MALLOC_MMAP_THRESHOLD_"] = "65536"
         else:
             env.pop("MALLOC_MMAP_THRESHOLD_", None)
-        argument = json.dumps([model, time_steps, chunk, steps, budget, memory, batch])
+        argument = json.dumps([model, time_steps, chunk, steps, budget, memory, batch, size])
         command = [sys.executable, __file__, "--one", argument]
         result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if result.returncode != 0:
@@ -160,6 +176,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
     parser.add_argument("--budget", type=float, default=None, help="MiB for the time_chunk auto run")
     parser.add_argument("--batch", type=int, default=None, help="batch size instead of the model's default")
+    parser.add_argument("--size", type=int, default=32, help="input height and width (sew only)")
+    parser.add_argument("--time-steps", type=int, nargs="+", default=list(TIME_STEPS), help="the T values")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -168,26 +186,29 @@ def main() -> None:
         return
     import torch
 
+    if args.size != 32 and args.models != ["sew"]:
+        parser.error("--size is for --models sew (the example CNN's classifier is sized for 32×32)")
     print(f"peak = {'CUDA max_memory_allocated' if torch.cuda.is_available() else 'resident-set high-water mark'}"
           f" over one training step, MiB; time = median s/step; chunks of {args.chunk} steps")  # fmt: skip
     for model in args.models:
         batch = args.batch or BATCH[model]
-        print(f"\n{model} (batch {batch}, 32×32)")
+        print(f"\n{model} (batch {batch}, {args.size}×{args.size})")
         print(
-            f"{'T':>4}{'peak whole':>12}{'peak chunked':>14}{'chunked/T=4':>13}{'s whole':>10}{'s chunked':>11}{'time ratio':>12}"
+            f"{'T':>4}{'peak whole':>12}{'peak chunked':>14}{f'chunked/T={args.time_steps[0]}':>13}{'s whole':>10}"
+            f"{'s chunked':>11}{'time ratio':>12}"
         )
         base = None
         last = None
-        for t in TIME_STEPS:
-            whole = run_one(model, t, 0, args.steps, batch)
-            chunked = run_one(model, t, args.chunk, args.steps, batch)
+        for t in args.time_steps:
+            whole = run_one(model, t, 0, args.steps, batch, size=args.size)
+            chunked = run_one(model, t, args.chunk, args.steps, batch, size=args.size)
             base = base or chunked["peak_mib"]
             last = whole
             print(f"{t:>4}{whole['peak_mib']:>12.1f}{chunked['peak_mib']:>14.1f}{chunked['peak_mib'] / base:>13.2f}"
                   f"{whole['seconds']:>10.3f}{chunked['seconds']:>11.3f}{chunked['seconds'] / whole['seconds']:>12.2f}")  # fmt: skip
         budget = args.budget or (last["peak_mib"] / 4 if last else 100.0)
-        auto = run_one(model, TIME_STEPS[-1], "auto", args.steps, batch, budget)
-        print(f'time_chunk "auto", memory_budget_mb {budget:.0f}, T={TIME_STEPS[-1]}: chose chunks of {auto["chosen"]} '
+        auto = run_one(model, args.time_steps[-1], "auto", args.steps, batch, budget, args.size)
+        print(f'time_chunk "auto", memory_budget_mb {budget:.0f}, T={args.time_steps[-1]}: chose chunks of {auto["chosen"]} '
               f"step(s); peak {auto['peak_mib']:.1f} MiB, {auto['seconds']:.3f} s/step")  # fmt: skip
 
 

@@ -258,7 +258,10 @@ def test_a_group_alone_continues_from_the_furthest_checkpoint_of_any_group(tmp_p
     assert_same(torch.load(out / "final-1.pt"), reference(tmp_path))
 
 
-def test_launch_plans_the_lighthouse_and_one_agent_per_group(tmp_path: Path) -> None:
+def test_launch_plans_the_lighthouse_and_one_agent_per_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     script = tmp_path / "train.py"
     script.touch()
     request = parse_request(
@@ -275,6 +278,53 @@ def test_launch_plans_the_lighthouse_and_one_agent_per_group(tmp_path: Path) -> 
         assert command.argv[1:3] == ["-m", "torch.distributed.run"]
         assert {"--standalone", "--max-restarts"} <= set(command.argv)
         assert command.argv[-3:] == [str(script), "--lr", "1"]
+        # six processes on this machine: one thread each, as torchrun sets for several per node
+        assert command.env["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the shell's choice stands
+    assert all("OMP_NUM_THREADS" not in c.env for c in plan_replica_groups(request, plan)[1:])
+
+
+def test_each_group_on_this_machine_trains_on_gpus_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group's processes take the GPUs of their local ranks, numbered from 0 in every group: each
+    group gets its own slice of the machine's GPUs (of the shell's mask, when it sets one), and a
+    machine with too few GPUs for a process each is refused before anything starts."""
+    from spikingsail.backends import process_group
+
+    script = tmp_path / "train.py"
+    script.touch()
+    plan = ReplicaPlan(groups=2, heartbeat_timeout_ms=1000, join_timeout_ms=10000, lighthouse_port=29999)
+
+    def masks(*argv: str) -> list[str | None]:
+        groups = plan_replica_groups(parse_request(["--ft-replicas", "2", *argv, str(script)]), plan)[1:]
+        return [c.env.get("CUDA_VISIBLE_DEVICES") for c in groups]
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(process_group, "nvidia_gpus", lambda: 0)
+    assert masks("-n", "2") == [None, None]  # a CPU machine: nothing to divide
+    monkeypatch.setattr(process_group, "nvidia_gpus", lambda: 4)
+    assert masks("-n", "2") == ["0,1", "2,3"]
+    assert masks("-n", "1") == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert masks("-n", "2") == ["4,5", "6,7"]
+    with pytest.raises(
+        LaunchError, match=r"(?s)which shows 4 GPU\(s\) \(CUDA_VISIBLE_DEVICES=4,5,6,7\).*at most 2 here"
+    ):
+        masks("-n", "3")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(LaunchError, match="--nproc-per-node gpu"):
+        masks("--nproc-per-node", "gpu")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(
+        LaunchError, match=r"(?s)shows 1 GPU.*fix: spread the groups over nodes with -H \(or hide"
+    ):
+        masks("-n", "1")  # fewer GPUs than groups: no process count fits
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # GPUs hidden on purpose: the CPU
+    assert masks("-n", "3") == [None, None]
+    monkeypatch.setattr(process_group, "nvidia_gpus", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # a mask on a machine without GPUs: the CPU
+    assert masks("-n", "3") == [None, None]
 
 
 def test_the_lighthouse_address_is_this_machines_towards_the_nodes() -> None:

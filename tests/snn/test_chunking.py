@@ -67,6 +67,12 @@ def test_chunked_gradients_equal_the_unchunked_ones(k: int) -> None:
     assert any(g.abs().sum() > 0 for g in grads)
     for g, g_chunked in zip(grads, grads_chunked, strict=True):
         torch.testing.assert_close(g_chunked, g, rtol=RTOL, atol=ATOL)
+    # running statistics and num_batches_tracked updated once per step, as whole, not again in the recompute
+    buffers = dict(plain.named_buffers())
+    assert buffers and buffers["1.bn_list.0.num_batches_tracked"] == 1
+    state = wrapped.state_dict()
+    for name, buffer in buffers.items():
+        assert torch.equal(state[name], buffer), name
 
 
 def test_the_dropout_a_recompute_draws_is_the_forwards() -> None:
@@ -150,6 +156,39 @@ def test_per_chunk_batch_norm_normalises_each_chunk_by_itself() -> None:
     state = wrapped.state_dict()
     for name, buffer in net.named_buffers():
         torch.testing.assert_close(state[name], buffer, msg=name)  # running statistics committed once
+
+
+class Scaled(nn.Module):
+    """Multiplies by a buffer that every call then changes: a buffer that is not a batch norm's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x * self.scale.clone()
+        with torch.no_grad():
+            self.scale.mul_(1.5)
+        return out
+
+
+def test_a_recompute_reads_other_buffers_as_the_forward_did() -> None:
+    """Buffers that are not a batch norm's take spikingjelly's path, which hands each chunk (and its
+    recompute) the buffers as they were before it: the same as running the chunks one after another."""
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Linear(5, 5), Scaled(), lif(), layer.Linear(5, 2), lif())
+    functional.set_step_mode(net, "m")
+    x = torch.rand(4, 3, 5) * 3
+    wrapped = chunked(copy.deepcopy(net), 2)
+    out = wrapped(x)
+    (out.mean(0) - 0.3).pow(2).sum().backward()
+    separately = torch.cat([net(x[:2]), net(x[2:])])
+    (separately.mean(0) - 0.3).pow(2).sum().backward()
+    assert torch.equal(out, separately)
+    for p, p_chunked in zip(net.parameters(), wrapped.parameters(), strict=True):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+        torch.testing.assert_close(p_chunked.grad, p.grad, rtol=RTOL, atol=ATOL)
+    assert wrapped.state_dict()["1.scale"] == net[1].scale == 1.5**2  # changed once per chunk
 
 
 def test_state_dict_keys_and_parameters_are_the_models() -> None:
@@ -264,6 +303,8 @@ def train(single: bool, micro: int, accumulation: int, backend: str = "ddp", tim
           precision: str = "fp32", stage: int = 0, model: str = "chunkable", checkpoints: str | None = None,
           stop_at: int | None = None, resume: bool = False) -> dict[str, torch.Tensor] | None:  # fmt: skip
     net = spiking_cnn() if model == "batchnorm" else chunkable_snn(STEPS_T, batch_norm=model == "chunkable")
+    if model == "scaled":
+        net[1] = Scaled()  # in the batch norm's place
     engine, _ = spikingsail.initialize(
         model=net, config=config(micro, accumulation, backend, time_chunk, precision, stage, model),
         rank_info=RankInfo.single() if single else None, checkpoints_path=checkpoints, resume=resume,
@@ -304,13 +345,23 @@ def assert_same_model(
 def test_chunked_ranks_train_like_unchunked_ones(backend: str, stage: int, accumulation: int, precision: str,
                                                  model: str) -> None:  # fmt: skip
     """8 micro-steps on 2 gloo ranks, in chunks of 2 of the 4 steps and whole; the same dropout draws.
-    Without buffers spikingjelly takes its explicit-state path: FSDP2 and ZeRO-3 must still gather."""
+    With and without batch norms through time: FSDP2 and ZeRO-3 must gather in the chunks' recomputes."""
     whole = run_ranks(train, 2, False, 4, accumulation, backend, 0, precision, stage, model)
     in_chunks = run_ranks(train, 2, False, 4, accumulation, backend, 2, precision, stage, model)
     # bf16/fp16: the chunks' weight gradients are rounded to 16 bits chunk by chunk (as the matrix's 16-bit rows)
     rtol, atol = (RTOL, ATOL) if precision == "fp32" else (2e-2, 2e-3)
     for rank in (0, 1):
         assert_same_model(in_chunks[rank], whole[rank], rtol, atol)
+
+
+@pytest.mark.multiprocess
+def test_a_model_with_other_buffers_trains_alike_in_chunks_on_fsdp_and_ddp() -> None:
+    """spikingjelly's all-buffers path runs the model through torch.func.functional_call: FSDP2 must still gather."""
+    fsdp = run_ranks(train, 2, False, 4, 1, "fsdp", 2, "fp32", 3, "scaled")
+    ddp = run_ranks(train, 2, False, 4, 1, "ddp", 2, "fp32", 0, "scaled")
+    assert fsdp[0]["1.scale"] == 1.5 ** (8 * 2)  # 8 micro-steps of 2 chunks
+    for rank in (0, 1):
+        assert_same_model(fsdp[rank], ddp[rank], RTOL, ATOL)
 
 
 @pytest.mark.multiprocess

@@ -36,6 +36,7 @@ from spikingsail.errors import LaunchError
 from spikingsail.launchers.command import FORWARDED, LaunchCommand, python_module
 from spikingsail.launchers.lifeline import die_with_this_process
 from spikingsail.launchers.spec import LaunchRequest
+from spikingsail.launchers.torchrun_args import count
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +73,65 @@ def plan_replica_groups(request: LaunchRequest, replicas: ReplicaPlan) -> list[L
                 LaunchCommand(host="localhost", argv=python_module("spikingsail.cli.replica_group"), env=env)
             )
         return commands
+    gpus = gpu_slices(replicas.groups, request.nproc_per_node)  # may refuse: before the thread warning
+    threads = one_thread_each()
     for group in range(replicas.groups):
         argv = python_module(
             "torch.distributed.run", *request.torchrun_args, request.script, *request.script_args
         )
-        commands.append(
-            LaunchCommand(host="localhost", argv=argv, env={**group_env(group, replicas), **quiet})
-        )
+        env = {**group_env(group, replicas), **quiet, **threads, **gpus[group]}
+        commands.append(LaunchCommand(host="localhost", argv=argv, env=env))
     return commands
+
+
+def gpu_slices(groups: int, nproc_per_node: str) -> list[dict[str, str]]:
+    """Each group's own GPUs of this machine (``CUDA_VISIBLE_DEVICES``), when it has any.
+
+    A group's torchrun agent numbers its processes from local rank 0, and a process takes the GPU of
+    its local rank: without a mask every group would train on GPUs 0..n-1, the rest idle, and the
+    groups' all-reduce (NCCL) would join two processes on one GPU, which NCCL refuses. Group g takes
+    the g-th n of the GPUs this shell sees."""
+    from spikingsail.backends.process_group import nvidia_gpus
+
+    gpus = nvidia_gpus()
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = (
+        [d.strip() for d in mask.split(",") if d.strip() and d.strip() != "-1"]
+        if mask is not None
+        else [str(i) for i in range(gpus)]
+    )
+    if not gpus or not visible:  # a CPU machine (whatever a mask names), or GPUs hidden on purpose
+        return [{} for _ in range(groups)]
+    per_group = count(nproc_per_node)
+    if per_group is None or per_group * groups > len(visible):
+        shown = f"{len(visible)} GPU(s)" + (f" (CUDA_VISIBLE_DEVICES={mask})" if mask is not None else "")
+        most = len(visible) // groups
+        raise LaunchError(
+            f"--ft-replicas {groups} with --nproc-per-node {nproc_per_node} on this machine, which shows {shown}",
+            "each replica group trains on GPUs of its own, one per process, and two processes on one GPU "
+            "cannot join the groups' NCCL all-reduce",
+            (f"give a process count with -n, at most {most} here, or " if most else "")
+            + "spread the groups over nodes with -H (or hide the GPUs with CUDA_VISIBLE_DEVICES= to train on the CPU)",
+        )
+    return [
+        {"CUDA_VISIBLE_DEVICES": ",".join(visible[g * per_group : (g + 1) * per_group])}
+        for g in range(groups)
+    ]
+
+
+def one_thread_each() -> dict[str, str]:
+    """torchrun's rule for more than one process on a machine, for the groups that share this one.
+
+    torchrun sets ``OMP_NUM_THREADS=1`` when it starts more than one process per node and the shell
+    has not set it; a group's agent starts only the group's own processes, so with ``-n 1`` it sets
+    nothing, and R processes each running as many threads as the machine has cores fight over them
+    (on 2 cores, a step of a small model took 9× as long). Each group's workers run one thread
+    unless this shell says otherwise."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return {}
+    log.warning("setting OMP_NUM_THREADS=1 for every process of the replica groups on this machine, as "
+                "torchrun does for several processes per node; set it in the shell to choose another")  # fmt: skip
+    return {"OMP_NUM_THREADS": "1"}
 
 
 def _quiet_torchft() -> dict[str, str]:

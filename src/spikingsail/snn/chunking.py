@@ -6,11 +6,17 @@ input in chunks of at most k steps under non-reentrant gradient checkpointing: e
 only its input and the neuron state it starts from; backward recomputes one chunk at a time, so
 the activations alive at once are one chunk's, plus a boundary state per chunk.
 
-The machinery is spikingjelly's own (``activation_based.memopt``): its checkpointed forward carries
-every ``MemoryModule``'s state explicitly from chunk to chunk, replays the RNG state when it
-recomputes (dropout masks are the same), and commits buffers such as batch-norm running statistics
-once per chunk, not again in the recompute. The model is wrapped in torch's ``CheckpointWrapper``,
-which keeps parameter objects and ``state_dict`` keys, so checkpoints load with and without chunks.
+Each chunk runs under torch's non-reentrant checkpoint through spikingjelly's explicit-state forward
+(``base.to_functional_forward``), so every ``MemoryModule``'s state is carried from chunk to chunk as
+the chunk's input and output, and the RNG state is replayed when a chunk is recomputed (dropout masks
+are the same). Batch norms commit their running statistics once per chunk: in the recompute they
+normalise with the chunk's batch statistics as before but do not update them again (a training batch
+norm's output never reads its running statistics; an eval-mode one only reads them). A model with
+other buffers goes through spikingjelly's ``activation_based.memopt`` path instead, which hands every
+chunk a copy of all buffers taken before it: correct for any buffer, at the cost of a copy of every
+buffer per chunk (BNTT keeps T norms per layer, so that is T²/k of them). The model is wrapped in
+torch's ``CheckpointWrapper``, which keeps parameter objects and ``state_dict`` keys, so checkpoints
+load with and without chunks.
 
 Gradients equal the unchunked run's up to float rounding (a weight's gradient is summed over the
 chunks instead of in one reduction). Batch norm that uses batch statistics normalises over all
@@ -25,13 +31,18 @@ largest chunk whose estimate fits ``snn.memory_budget_mb``; it logs what it chos
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
 
 from spikingsail.config.schema import SNNConfig
 from spikingsail.errors import ConfigError, SailError
@@ -75,7 +86,8 @@ class TimeChunking:
         self.config = config
         self.source = source
         self._base = base
-        self._forward_chunks = checkpointing._checkpoint_module_forward
+        self._all_buffers_forward = checkpointing._checkpoint_module_forward
+        self._merge = checkpointing._merge_chunk_outputs
         # Through the model's __call__, not spikingjelly's per-layer composition: FSDP2 and ZeRO-3
         # gather parameters in forward hooks, which a bypassed __call__ would skip.
         self._functional = base.to_functional_forward(model, fn=model.__call__)
@@ -99,10 +111,32 @@ class TimeChunking:
         chunks = math.ceil(time_steps / steps)
         if chunks <= 1:
             return module(*args, **kwargs)
-        return self._forward_chunks(
-            module, *args, functional_forward=self._functional, compressor=None, chunks=chunks,
-            chunked_args=(0,), time_dim=0, **kwargs,
-        )  # fmt: skip
+        if _other_buffers(module):
+            return self._all_buffers_forward(
+                module, *args, functional_forward=self._functional, compressor=None, chunks=chunks,
+                chunked_args=(0,), time_dim=0, **kwargs,
+            )  # fmt: skip
+        return self._forward_chunks(module, x, args[1:], kwargs, chunks)
+
+    def _forward_chunks(
+        self, module: nn.Module, x: torch.Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any], chunks: int
+    ) -> Any:
+        """The chunks one after another, each checkpointed, the neuron state passed from one to the next."""
+        states = tuple(self._base.extract_memories(module))
+        count = 1 + len(rest)
+        outputs = []
+        for piece in torch.tensor_split(x, chunks, dim=0):
+            output, states = checkpoint(
+                self._run_chunk, count, piece, *rest, *states, use_reentrant=False,
+                context_fn=functools.partial(_contexts, module), **kwargs,
+            )  # fmt: skip
+            outputs.append(output)
+        self._base.load_memories(module, list(states))
+        return self._merge(outputs, 0)
+
+    def _run_chunk(self, count: int, *flat: Any, **kwargs: Any) -> tuple[Any, tuple[Any, ...]]:
+        outputs, states = self._functional(flat[:count], flat[count:], **kwargs)
+        return (outputs[0] if len(outputs) == 1 else outputs), tuple(states)
 
     def _check_batch_norm(self) -> None:
         if self.config.chunk_batchnorm == "per_chunk":
@@ -220,6 +254,45 @@ class _SavedBytes:
 
     def unpack(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+
+def _other_buffers(model: nn.Module) -> list[str]:
+    """Buffers that are not a batch norm's: a chunk's recompute could read them changed, or change them again."""
+    norms = {id(b) for m in model.modules() if isinstance(m, _BatchNorm) for b in m.buffers(recurse=False)}
+    return [name for name, b in model.named_buffers() if id(b) not in norms]
+
+
+def _contexts(
+    model: nn.Module,
+) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+    """``checkpoint``'s ``context_fn``: nothing in the forward, running statistics left alone in the recompute."""
+    return contextlib.nullcontext(), _statistics_kept(model)
+
+
+@contextlib.contextmanager
+def _statistics_kept(model: nn.Module) -> Iterator[None]:
+    """Training batch norms normalise with batch statistics but leave their running ones unchanged.
+
+    The forward already updated them once for this chunk. With a momentum of 0 the update is
+    ``running × 1 + batch × 0``, the running value itself, and ``num_batches_tracked`` counts into a
+    scratch tensor. The output is the forward's: a training batch norm never reads its running
+    statistics, and it saves the same tensors for backward (which a recompute must).
+    """
+    updating = [
+        m for m in model.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats
+    ]
+    kept = [(m, m.momentum, m.num_batches_tracked) for m in updating]
+    scratch: dict[torch.device, torch.Tensor] = {}
+    for m, _, counter in kept:
+        m.momentum = 0.0
+        if counter is not None:
+            m.num_batches_tracked = scratch.setdefault(counter.device, torch.zeros_like(counter))
+    try:
+        yield
+    finally:
+        for m, momentum, counter in kept:
+            m.momentum = momentum
+            m.num_batches_tracked = counter
 
 
 def _batch_norms_over_time(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -8,13 +8,13 @@ import os
 import signal
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from tests.cgroups import cpu_quota_group
 from tests.cluster.harness import NamespaceCluster
 
 # Set by others once per process: pytest's marker, torch's inductor cache path (exported the first
@@ -109,26 +109,8 @@ def _end_what_the_test_left(test_cluster: NamespaceCluster) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
-
-
 @pytest.fixture
 def slow_group() -> Iterator[Path]:
-    """A cgroup v1 ``cpu`` group that gives its processes 40% of one core, in 10 ms periods (so the
-    slowdown is even, as on a slower device); a process joins by writing its pid to ``cgroup.procs``."""
-    assert (CPU_CGROUPS / "cpu.cfs_quota_us").exists(), (
-        f"the cgroup v1 cpu controller is not mounted at {CPU_CGROUPS}: these tests throttle a rank with it"
-    )
-    group = CPU_CGROUPS / f"sail-slow-{os.getpid()}"
-    group.mkdir()
-    try:
-        (group / "cpu.cfs_period_us").write_text("10000")
-        (group / "cpu.cfs_quota_us").write_text("4000")
+    """``cpu_quota_group`` at 40% of one core."""
+    with cpu_quota_group(40) as group:
         yield group
-    finally:
-        for _ in range(50):  # the ranks have exited; the group empties as they are reaped
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)

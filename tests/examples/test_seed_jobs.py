@@ -135,12 +135,13 @@ def test_cifar_toy_as_seed_003_runs_it_and_on_the_engine(digits_folder: Path, tm
     with torch.no_grad():
         images, labels = zip(*(val[i] for i in range(len(val))), strict=True)
         seed_accuracy = (model(torch.stack(images)).argmax(1) == torch.tensor(labels)).float().mean().item()
+    # the engine version seeds nothing either: 8 epochs too, for the same margin above 0.8
     ours = run([str(BIN / "sail"), "launch", "-n", "2", str(toy / "train.py"), "--data", str(digits_folder),
-                "--epochs", "5", "--lr", "0.05"], tmp_path)  # fmt: skip
+                "--epochs", "8", "--lr", "0.05"], tmp_path)  # fmt: skip
     accuracy = float(re.findall(r"val accuracy: ([0-9.]+) \(359 images, 2 processes\)", ours.stdout)[0])
     assert seed_accuracy >= 0.8 and accuracy >= 0.8, (seed_accuracy, accuracy)
     engine_version.ToyModel().load_state_dict(read_saved_model(tmp_path / "toy.safetensors"))
-    assert (tmp_path / "checkpoints" / "latest").read_text() == "global_step225"
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "global_step360"
 
 
 # -- seed 001: Horovod ---------------------------------------------------------------------------------

@@ -40,6 +40,8 @@ _CLEANUP_SECONDS = AGENT_GRACE_SECONDS + 45.0
 DRAIN_SECONDS = 45.0
 _UPLOAD_SECONDS = 60.0
 HEARTBEAT_SECONDS = 1.0
+# How long the tethers have to end on ``done`` before sail stops their connections.
+_TETHER_DONE_SECONDS = 5.0
 _SSH_FAILED = 255  # ssh's own exit status: the connection failed (ServerAlive checks unanswered)
 
 
@@ -111,6 +113,7 @@ def _run(
         # sail is here to end the job itself (and its cleanups name what they kill): the tethers,
         # for a lost or killed sail, stand down
         heartbeat.release()
+        _let_tethers_end(running)
         stopped = _stop_all(running)
         for relay in relays:
             relay.join(timeout=5)
@@ -316,6 +319,20 @@ def _reap(process: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def _let_tethers_end(running: list[Running]) -> None:
+    """Give the tethers told ``done`` a moment to hear it and end by themselves.
+
+    A tether whose connection is cut before ``done`` crossed it would end its node's part of the
+    job by itself, and what it said would be lost with the connection; the cleanups, which name
+    what they kill, would then find nothing left.
+    """
+    deadline = time.monotonic() + _TETHER_DONE_SECONDS
+    for run in running:
+        if run.command.heartbeat:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                run.process.wait(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _stop_all(running: list[Running]) -> list[Running]:

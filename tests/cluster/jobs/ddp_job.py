@@ -2,8 +2,9 @@
 
 ddp_job.py OUT_DIR [--steps N] [--step-sleep S] [--die-rank R --die-step S] [--exit-rank R --exit-code C]
 
---exit-rank: that rank exits with status C 3 s after the job is done and the engine closed,
-when the other ranks' agents are waiting for it in torchrun's exit barrier.
+--exit-rank: that rank exits with status C once the job is done, the engine closed and every other
+rank's process gone (the nodes share a process table), 2 s later: when the other ranks' agents
+are waiting for it in torchrun's exit barrier.
 """
 
 from __future__ import annotations
@@ -62,12 +63,30 @@ def main() -> None:
         "digest": digest,
         "source": engine.rank_info.source,
         "steps": engine.global_steps,
+        "pid": os.getpid(),
     }
     (args.out / f"rank{engine.rank}.json").write_text(json.dumps(record))
     engine.close()
     if engine.rank == args.exit_rank:
-        time.sleep(3)
+        others = [args.out / f"rank{r}.json" for r in range(engine.world_size) if r != engine.rank]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(gone(path) for path in others):
+            time.sleep(0.1)
+        time.sleep(2)  # an agent notices its workers' exit within its monitor interval
         sys.exit(args.exit_code)
+
+
+def gone(record: Path) -> bool:
+    """The rank that wrote ``record`` has exited and its agent has reaped it."""
+    if not record.exists():
+        return False
+    try:
+        os.kill(json.loads(record.read_text())["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except (ValueError, KeyError):  # written but not yet complete
+        return False
+    return False
 
 
 if __name__ == "__main__":

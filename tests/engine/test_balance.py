@@ -4,8 +4,9 @@ The cgroup v1 ``cpu`` controller caps the whole process (every thread) at a shar
 rank 1 computes slower than rank 0 the way an older GPU would. Each rank also times the model on
 its own before training (``standalone``), under the same conditions.
 
-The quota is 20% of a core. It also slows the throttled rank's side of the gradient all-reduce (a
-slower GPU's would not be), and ``auto`` counts that wait as communication, not compute, so in the
+The quota is 20% of a core. A quota is not the constant slowdown of a slower GPU: what it costs
+a process depends on how the process's work falls into the 10 ms periods, the throttled rank's side
+of the gradient all-reduce included (which ``auto`` counts as communication, not compute). In the
 job rank 1 measures less slow than standalone: 1.7-1.8× against 2.6-3.0× standalone at a 40% quota
 on a 2-core machine (1.47 once, on a busier one), 3.0-4.3× against 5.5-8.9× at 20%. At 40% the
 measured ratio sits too near the 1.5 these tests ask of the split.

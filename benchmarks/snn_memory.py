@@ -3,6 +3,7 @@
     python benchmarks/snn_memory.py                      # both models, T = 4, 8, 16, 32, chunks of 4
     python benchmarks/snn_memory.py --models sew --chunk 2 --steps 3
     python benchmarks/snn_memory.py --models sew --size 64 --batch 16 --time-steps 4 16
+    python benchmarks/snn_memory.py --models sew --batch 32 --memopt   # spikingjelly's memopt instead
 
 Each measurement runs in a fresh process: the model, one batch and the engine (one process, the
 config's ``snn.time_chunk``) are built, the peak counter is reset, and one training step (forward,
@@ -41,6 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 TIME_STEPS = (4, 8, 16, 32)
 BATCH = {"example": 64, "sew": 8}
+MEMOPT = "memopt"
 
 
 def build(model: str, time_steps: int) -> Any:
@@ -81,6 +83,11 @@ def measure(
 
     torch.manual_seed(0)
     net = build(model, time_steps)
+    channels = 1 if model == "example" else 3
+    x = torch.rand(batch, channels, size, size)
+    if chunk == MEMOPT:
+        spikingjelly_memopt(net, x, time_steps)
+        chunk = 0
     snn: dict[str, Any] = {"step_mode": "m", "time_steps": time_steps, "time_chunk": chunk}
     if model == "example":
         snn["chunk_batchnorm"] = "per_chunk"
@@ -92,8 +99,7 @@ def measure(
                 "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
                 "sail": {"progress_bar": False, "hang_timeout_seconds": 0, "straggler_window": 0}},
     )  # fmt: skip
-    channels = 1 if model == "example" else 3
-    x = torch.rand(batch, channels, size, size, device=engine.device)
+    x = x.to(engine.device)
     y = torch.randint(0, 10, (batch,), device=engine.device)
 
     def step() -> None:
@@ -128,6 +134,25 @@ def measure(
     chosen = engine.module.checkpoint_fn.func.choices if chunk == "auto" else {}
     engine.close()
     return {"peak_mib": peak / 2**20, "chosen": [c.steps_per_chunk for c in chosen.values()]}
+
+
+def spikingjelly_memopt(net: Any, x: Any, time_steps: int) -> None:
+    """spikingjelly's own ``memopt.optimize_memory`` at level 1 (the level that runs without CUDA):
+    every SEW-ResNet ``BasicBlock`` checkpointed over all T, its input compressed where it is
+    binary (spikes), probed on the benchmark's batch."""
+    from spikingjelly.activation_based import functional, memopt
+    from spikingjelly.activation_based.model import sew_resnet
+
+    functional.set_step_mode(net, "m")
+    sequence = x.unsqueeze(0).repeat(time_steps, *([1] * x.dim()))
+
+    def example(module: Any) -> Any:
+        out = module(sequence)
+        functional.reset_net(module)
+        return out
+
+    memopt.optimize_memory(net, (sew_resnet.BasicBlock,), example, level=1, checkpoint_budget="memory")
+    functional.reset_net(net)
 
 
 def _rss() -> int:
@@ -173,6 +198,8 @@ def main() -> None:
     )
     parser.add_argument("--models", nargs="+", default=["example", "sew"], choices=["example", "sew"])
     parser.add_argument("--chunk", type=int, default=4, help="time steps per chunk (snn.time_chunk)")
+    parser.add_argument("--memopt", action="store_true",
+                        help="instead of chunks: spikingjelly's memopt.optimize_memory, level 1 (sew only)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
     parser.add_argument("--budget", type=float, default=None, help="MiB for the time_chunk auto run")
     parser.add_argument("--batch", type=int, default=None, help="batch size instead of the model's default")
@@ -188,24 +215,31 @@ def main() -> None:
 
     if args.size != 32 and args.models != ["sew"]:
         parser.error("--size is for --models sew (the example CNN's classifier is sized for 32×32)")
+    if args.memopt and args.models != ["sew"]:
+        parser.error("--memopt is for --models sew (it checkpoints the SEW-ResNet's BasicBlocks)")
+    other: int | str = MEMOPT if args.memopt else args.chunk
+    name = "memopt" if args.memopt else "chunked"
+    what = "spikingjelly memopt level 1" if args.memopt else f"chunks of {args.chunk} steps"
     print(f"peak = {'CUDA max_memory_allocated' if torch.cuda.is_available() else 'resident-set high-water mark'}"
-          f" over one training step, MiB; time = median s/step; chunks of {args.chunk} steps")  # fmt: skip
+          f" over one training step, MiB; time = median s/step; {what}")  # fmt: skip
     for model in args.models:
         batch = args.batch or BATCH[model]
         print(f"\n{model} (batch {batch}, {args.size}×{args.size})")
         print(
-            f"{'T':>4}{'peak whole':>12}{'peak chunked':>14}{f'chunked/T={args.time_steps[0]}':>13}{'s whole':>10}"
-            f"{'s chunked':>11}{'time ratio':>12}"
+            f"{'T':>4}{'peak whole':>12}{f'peak {name}':>14}{f'{name}/T={args.time_steps[0]}':>13}{'s whole':>10}"
+            f"{f's {name}':>11}{'time ratio':>12}"
         )
         base = None
         last = None
         for t in args.time_steps:
             whole = run_one(model, t, 0, args.steps, batch, size=args.size)
-            chunked = run_one(model, t, args.chunk, args.steps, batch, size=args.size)
+            chunked = run_one(model, t, other, args.steps, batch, size=args.size)
             base = base or chunked["peak_mib"]
             last = whole
             print(f"{t:>4}{whole['peak_mib']:>12.1f}{chunked['peak_mib']:>14.1f}{chunked['peak_mib'] / base:>13.2f}"
                   f"{whole['seconds']:>10.3f}{chunked['seconds']:>11.3f}{chunked['seconds'] / whole['seconds']:>12.2f}")  # fmt: skip
+        if args.memopt:
+            continue
         budget = args.budget or (last["peak_mib"] / 4 if last else 100.0)
         auto = run_one(model, args.time_steps[-1], "auto", args.steps, batch, budget, args.size)
         print(f'time_chunk "auto", memory_budget_mb {budget:.0f}, T={args.time_steps[-1]}: chose chunks of {auto["chosen"]} '

@@ -4,7 +4,8 @@ Backpropagation through time keeps every time step's activations, so one trainin
 grows linearly with T. With ``snn.time_chunk: k`` a training forward runs the ``[T, N, ...]``
 input in chunks of at most k steps under non-reentrant gradient checkpointing: each chunk keeps
 only its input and the neuron state it starts from; backward recomputes one chunk at a time, so
-the activations alive at once are one chunk's, plus a boundary state per chunk.
+the activations alive at once are one chunk's, plus a boundary state per chunk. The last chunk,
+whose backward comes first, keeps its activations and is not recomputed.
 
 Each chunk runs under torch's non-reentrant checkpoint through spikingjelly's explicit-state forward
 (``base.to_functional_forward``), so every ``MemoryModule``'s state is carried from chunk to chunk as
@@ -121,16 +122,25 @@ class TimeChunking:
     def _forward_chunks(
         self, module: nn.Module, x: torch.Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any], chunks: int
     ) -> Any:
-        """The chunks one after another, each checkpointed, the neuron state passed from one to the next."""
+        """The chunks one after another, the neuron state passed from one to the next.
+
+        Every chunk but the last is checkpointed. The last one's backward comes first, right after
+        the forward, so its activations are kept instead of recomputed (as ``checkpoint_sequential``
+        does with its last segment): the peak is the same, a chunk's activations and the boundaries
+        before it, and the step recomputes one chunk fewer.
+        """
         states = tuple(self._base.extract_memories(module))
         count = 1 + len(rest)
+        pieces = torch.tensor_split(x, chunks, dim=0)
         outputs = []
-        for piece in torch.tensor_split(x, chunks, dim=0):
+        for piece in pieces[:-1]:
             output, states = checkpoint(
                 self._run_chunk, count, piece, *rest, *states, use_reentrant=False,
                 context_fn=functools.partial(_contexts, module), **kwargs,
             )  # fmt: skip
             outputs.append(output)
+        output, states = self._run_chunk(count, pieces[-1], *rest, *states, **kwargs)
+        outputs.append(output)
         self._base.load_memories(module, list(states))
         return self._merge(outputs, 0)
 

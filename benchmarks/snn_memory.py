@@ -11,11 +11,13 @@ config's ``snn.time_chunk``) are built, the peak counter is reset, and one train
 mark during that step minus its resident set before it** (Linux ``VmHWM`` after resetting it through
 ``/proc/self/clear_refs``), with glibc's mmap threshold fixed at 64 KiB so that freed tensors leave
 the resident set; on a CUDA device it is ``torch.cuda.max_memory_allocated`` over the step instead.
-The step time is measured in another fresh process with the allocator as a user runs it (the 64 KiB
+The step times are measured in another fresh process with the allocator as a user runs it (the 64 KiB
 threshold maps and unmaps every tensor, which slows a recomputing step far more than a whole one):
-one warm-up step, then the median of ``--steps`` steps. Prints, for each model and T, the peak
+the whole and the chunked engine are built side by side, each takes a warm-up step, then they take
+``--steps`` steps in turn, one of each at a time, and each one's median is printed; alternating keeps
+the ratio steady where the times of separate processes drift with the machine's load. Prints, for each model and T, the peak
 and time whole and in chunks, and the ratios the target is stated in: chunked peak at T over chunked
-peak at T=4, and chunked time over whole time. Then runs ``time_chunk: "auto"`` with a budget and
+peak at T=4 and over the whole (unchunked) peak at T=4, and chunked time over whole time. Then runs ``time_chunk: "auto"`` with a budget and
 prints the chunk it chose.
 
 The models: the example SNN (``examples/snn_digits.py``'s spiking CNN, batch norm per chunk, since
@@ -36,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,16 +67,10 @@ def build(model: str, time_steps: int) -> Any:
     )  # fmt: skip
 
 
-def measure(
-    model: str,
-    time_steps: int,
-    chunk: int | str,
-    steps: int,
-    budget: float | None,
-    memory: bool,
-    batch: int,
-    size: int = 32,
-) -> dict[str, Any]:
+def training_step(
+    model: str, time_steps: int, chunk: int | str, budget: float | None, batch: int, size: int
+) -> tuple[Any, Any]:
+    """An engine (one process, the config's ``snn.time_chunk``) and one training step of it on one batch."""
     import torch
     import torch.nn.functional as F
 
@@ -106,25 +103,24 @@ def measure(
         rate = firing_rate(engine(engine.encode(x)))
         engine.backward(F.mse_loss(rate, F.one_hot(y, 10).float()))
         engine.step()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
 
-    cuda = engine.device.type == "cuda"
-    if not memory:
-        step()  # warm-up: the first step allocates what later steps reuse
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            step()
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        engine.close()
-        return {"seconds": statistics.median(times)}
-    if cuda:
+    return engine, step
+
+
+def measure_peak(
+    model: str, time_steps: int, chunk: int | str, budget: float | None, batch: int, size: int
+) -> dict[str, Any]:
+    """The peak memory of one training step, in this (fresh) process."""
+    import torch
+
+    engine, step = training_step(model, time_steps, chunk, budget, batch, size)
+    if engine.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         step()
-        torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
     else:
         before = _rss()
@@ -134,6 +130,34 @@ def measure(
     chosen = engine.module.checkpoint_fn.func.choices if chunk == "auto" else {}
     engine.close()
     return {"peak_mib": peak / 2**20, "chosen": [c.steps_per_chunk for c in chosen.values()]}
+
+
+def measure_times(
+    model: str,
+    time_steps: int,
+    chunks: list[int | str],
+    steps: int,
+    budget: float | None,
+    batch: int,
+    size: int,
+) -> dict[str, Any]:
+    """Median step time of each setting, built side by side in this process and stepped in turn.
+
+    Alternating one step of each setting with the next exposes them to the same moments of the
+    machine's load, so their ratio holds still where separately timed processes drift apart.
+    """
+    runs = [training_step(model, time_steps, chunk, budget, batch, size) for chunk in chunks]
+    for _, step in runs:
+        step()  # warm-up: the first step allocates what later steps reuse
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(steps):
+        for (_, step), kept in zip(runs, times, strict=True):
+            start = time.perf_counter()
+            step()
+            kept.append(time.perf_counter() - start)
+    for engine, _ in runs:
+        engine.close()
+    return {"seconds": [statistics.median(kept) for kept in times]}
 
 
 def spikingjelly_memopt(net: Any, x: Any, time_steps: int) -> None:
@@ -166,30 +190,38 @@ def _status(key: str) -> int:
     raise RuntimeError(f"no {key} in /proc/self/status")
 
 
+def in_fresh_process(function: str, *arguments: Any, memory: bool) -> dict[str, Any]:
+    """``function(*arguments)`` in a new interpreter: its own allocator, its own peak."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    if memory:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    else:
+        env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    command = [sys.executable, __file__, "--one", json.dumps([function, *arguments])]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise SystemExit(f"{function}{tuple(arguments)} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
 def run_one(
     model: str,
     time_steps: int,
-    chunk: int | str,
+    chunks: list[int | str],
     steps: int,
     batch: int,
     budget: float | None = None,
     size: int = 32,
-) -> dict[str, Any]:
-    """The peak (one process) and the step time (another) of one model, T and chunk setting."""
-    out: dict[str, Any] = {}
-    for memory in (True, False):
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-        if memory:
-            env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        else:
-            env.pop("MALLOC_MMAP_THRESHOLD_", None)
-        argument = json.dumps([model, time_steps, chunk, steps, budget, memory, batch, size])
-        command = [sys.executable, __file__, "--one", argument]
-        result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            raise SystemExit(f"{model} T={time_steps} chunk={chunk} failed:\n{result.stderr[-3000:]}")
-        out |= json.loads(result.stdout.strip().splitlines()[-1])
-    return out
+) -> list[dict[str, Any]]:
+    """For each setting its peak (a process each) and its step time (all in one more, stepped in turn)."""
+    peaks = [
+        in_fresh_process("measure_peak", model, time_steps, chunk, budget, batch, size, memory=True)
+        for chunk in chunks
+    ]
+    seconds = in_fresh_process(
+        "measure_times", model, time_steps, chunks, steps, budget, batch, size, memory=False
+    )["seconds"]
+    return [peak | {"seconds": s} for peak, s in zip(peaks, seconds, strict=True)]
 
 
 def main() -> None:
@@ -209,7 +241,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.one:
         logging.basicConfig(level=logging.WARNING)
-        print(json.dumps(measure(*json.loads(args.one))))
+        name, *arguments = json.loads(args.one)
+        functions: dict[str, Callable[..., dict[str, Any]]] = {
+            "measure_peak": measure_peak,
+            "measure_times": measure_times,
+        }
+        print(json.dumps(functions[name](*arguments)))
         return
     import torch
 
@@ -226,22 +263,24 @@ def main() -> None:
         batch = args.batch or BATCH[model]
         print(f"\n{model} (batch {batch}, {args.size}×{args.size})")
         print(
-            f"{'T':>4}{'peak whole':>12}{f'peak {name}':>14}{f'{name}/T={args.time_steps[0]}':>13}{'s whole':>10}"
+            f"{'T':>4}{'peak whole':>12}{f'peak {name}':>14}{f'{name}/T={args.time_steps[0]}':>13}"
+            f"{f'/whole T={args.time_steps[0]}':>15}{'s whole':>10}"
             f"{f's {name}':>11}{'time ratio':>12}"
         )
-        base = None
+        base = base_whole = None
         last = None
         for t in args.time_steps:
-            whole = run_one(model, t, 0, args.steps, batch, size=args.size)
-            chunked = run_one(model, t, other, args.steps, batch, size=args.size)
+            whole, chunked = run_one(model, t, [0, other], args.steps, batch, size=args.size)
             base = base or chunked["peak_mib"]
+            base_whole = base_whole or whole["peak_mib"]
             last = whole
             print(f"{t:>4}{whole['peak_mib']:>12.1f}{chunked['peak_mib']:>14.1f}{chunked['peak_mib'] / base:>13.2f}"
+                  f"{chunked['peak_mib'] / base_whole:>15.2f}"
                   f"{whole['seconds']:>10.3f}{chunked['seconds']:>11.3f}{chunked['seconds'] / whole['seconds']:>12.2f}")  # fmt: skip
         if args.memopt:
             continue
         budget = args.budget or (last["peak_mib"] / 4 if last else 100.0)
-        auto = run_one(model, args.time_steps[-1], "auto", args.steps, batch, budget, args.size)
+        (auto,) = run_one(model, args.time_steps[-1], ["auto"], args.steps, batch, budget, args.size)
         print(f'time_chunk "auto", memory_budget_mb {budget:.0f}, T={args.time_steps[-1]}: chose chunks of {auto["chosen"]} '
               f"step(s); peak {auto['peak_mib']:.1f} MiB, {auto['seconds']:.3f} s/step")  # fmt: skip
 

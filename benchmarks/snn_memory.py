@@ -15,7 +15,7 @@ The step times are measured in another fresh process with the allocator as a use
 threshold maps and unmaps every tensor, which slows a recomputing step far more than a whole one):
 the whole and the chunked engine are built side by side, each takes a warm-up step, then they take
 ``--steps`` steps in turn, one of each at a time, and each one's median is printed; alternating keeps
-the ratio steady where the times of separate processes drift with the machine's load. Prints, for each model and T, the peak
+the ratio steadier than the times of separate processes, which drift with the machine's load. Prints, for each model and T, the peak
 and time whole and in chunks, and the ratios the target is stated in: chunked peak at T over chunked
 peak at T=4 and over the whole (unchunked) peak at T=4, and chunked time over whole time. Then runs ``time_chunk: "auto"`` with a budget and
 prints the chunk it chose.

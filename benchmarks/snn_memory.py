@@ -14,11 +14,11 @@ the resident set; on a CUDA device it is ``torch.cuda.max_memory_allocated`` ove
 The step times are measured in another fresh process with the allocator as a user runs it (the 64 KiB
 threshold maps and unmaps every tensor, which slows a recomputing step far more than a whole one):
 the whole and the chunked engine are built side by side, each takes a warm-up step, then they take
-``--steps`` steps in turn, one of each at a time, and each one's median is printed; alternating keeps
-the ratio steadier than the times of separate processes, which drift with the machine's load. Prints, for each model and T, the peak
-and time whole and in chunks, and the ratios the target is stated in: chunked peak at T over chunked
-peak at T=4 and over the whole (unchunked) peak at T=4, and chunked time over whole time. Then runs ``time_chunk: "auto"`` with a budget and
-prints the chunk it chose.
+``--steps`` steps in turn, one of each at a time, and each one's median is printed (see
+``measure_times``). Prints, for each model and T, the peak and time whole and in chunks, and the
+ratios the target is stated in: chunked peak at T over chunked peak at T=4 and over the whole
+(unchunked) peak at T=4, and chunked time over whole time. Then runs ``time_chunk: "auto"`` with a
+budget and prints the chunk it chose.
 
 The models: the example SNN (``examples/snn_digits.py``'s spiking CNN, batch norm per chunk, since
 its multi-step batch norm spans T × N) at 32×32 inputs, and spikingjelly's SEW-ResNet-18 (IF neurons,
@@ -144,7 +144,8 @@ def measure_times(
     """Median step time of each setting, built side by side in this process and stepped in turn.
 
     Alternating one step of each setting with the next exposes them to the same moments of the
-    machine's load, so their ratio holds still where separately timed processes drift apart.
+    machine's load, so their ratio moves less than that of separately timed processes (it still
+    moves: up to 16% between runs on a shared 2-core machine).
     """
     runs = [training_step(model, time_steps, chunk, budget, batch, size) for chunk in chunks]
     for _, step in runs:

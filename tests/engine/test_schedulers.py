@@ -17,6 +17,13 @@ def optimizer(**defaults: float) -> torch.optim.Optimizer:
     return torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=1.0, **defaults)  # type: ignore[arg-type]
 
 
+def two_groups() -> torch.optim.Optimizer:
+    """Two parameter groups at their own learning rates, neither DeepSpeed's 0.001."""
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.05},
+              {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.2}]  # fmt: skip
+    return torch.optim.Adam(groups, lr=1.0)
+
+
 def lrs(schedule: WarmupLR | OneCycle, steps: int) -> list[float]:
     out = [schedule.optimizer.param_groups[0]["lr"]]
     for _ in range(steps):
@@ -90,6 +97,10 @@ DEEPSPEED_CASES = [
     ("WarmupLR", {"warmup_max_lr": 0.1, "warmup_num_steps": 1, "warmup_type": "linear"}),
     ("WarmupDecayLR", {"total_num_steps": 8, "warmup_max_lr": 0.2, "warmup_num_steps": 4, "warmup_type": "linear"}),
     ("WarmupDecayLR", {"total_num_steps": 3, "warmup_max_lr": 0.2, "warmup_num_steps": 5}),
+    # without warmup_max_lr: WarmupLR rises to each group's own rate, WarmupDecayLR to 0.001
+    ("WarmupLR", {"warmup_min_lr": 0.01, "warmup_num_steps": 6}),
+    ("WarmupLR", {"warmup_num_steps": 4, "warmup_type": "linear"}),
+    ("WarmupDecayLR", {"total_num_steps": 10, "warmup_num_steps": 4, "warmup_type": "linear"}),
     ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_first_step_size": 4, "decay_lr_rate": 0.5,
                   "decay_step_size": 2}),
     ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 3,
@@ -116,13 +127,15 @@ def deepspeed_schedules() -> Any:
 
 @pytest.mark.parametrize(("name", "params"), DEEPSPEED_CASES)
 def test_the_schedules_are_deepspeeds(deepspeed_schedules: Any, name: str, params: dict[str, float]) -> None:
-    ours = getattr(spikingsail_schedulers, name)(optimizer(), **params)
-    theirs = getattr(deepspeed_schedules, name)(optimizer(), **params)
-    for step in range(25):
-        ours_group, theirs_group = ours.optimizer.param_groups[0], theirs.optimizer.param_groups[0]
-        assert ours_group["lr"] == pytest.approx(theirs_group["lr"], abs=1e-12), f"lr after {step} steps"
-        assert ours_group["betas"] == pytest.approx(theirs_group["betas"], abs=1e-12), (
-            f"betas after {step} steps"
-        )
-        ours.step()
-        theirs.step()
+    for make in (optimizer, two_groups):
+        ours = getattr(spikingsail_schedulers, name)(make(), **params)
+        theirs = getattr(deepspeed_schedules, name)(make(), **params)
+        for step in range(25):
+            for group, (ours_group, theirs_group) in enumerate(
+                zip(ours.optimizer.param_groups, theirs.optimizer.param_groups, strict=True)
+            ):
+                where = f"group {group} of {make.__name__} after {step} steps"
+                assert ours_group["lr"] == pytest.approx(theirs_group["lr"], abs=1e-12), f"lr, {where}"
+                assert ours_group["betas"] == pytest.approx(theirs_group["betas"], abs=1e-12), f"betas, {where}"
+            ours.step()
+            theirs.step()

@@ -54,13 +54,17 @@ class IterationSchedule:
 
 
 class WarmupLR(IterationSchedule):
-    """Rise from warmup_min_lr to warmup_max_lr over warmup_num_steps (log or linear), then hold."""
+    """Rise from warmup_min_lr to warmup_max_lr over warmup_num_steps (log or linear), then hold.
+
+    Without warmup_max_lr each parameter group rises to its own learning rate as the optimizer was
+    built with it (DeepSpeed's WarmupLR does the same; its docstring's 0.001 is WarmupDecayLR's).
+    """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         warmup_min_lr: float = 0.0,
-        warmup_max_lr: float = 0.001,
+        warmup_max_lr: float | None = None,
         warmup_num_steps: int = 1000,
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
@@ -68,7 +72,12 @@ class WarmupLR(IterationSchedule):
         if warmup_type not in ("log", "linear"):
             raise ValueError(f"warmup_type must be 'log' or 'linear', not {warmup_type!r}")
         super().__init__(optimizer, last_batch_iteration)
-        self.min_lr, self.max_lr = warmup_min_lr, warmup_max_lr
+        self.min_lr = warmup_min_lr
+        self.max_lrs = (
+            [float(g["lr"]) for g in optimizer.param_groups]
+            if warmup_max_lr is None
+            else [warmup_max_lr] * len(optimizer.param_groups)
+        )
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.warmup_type = warmup_type
         if last_batch_iteration == -1:
@@ -82,8 +91,8 @@ class WarmupLR(IterationSchedule):
         return iteration / self.warmup_num_steps
 
     def lr_at(self, iteration: int) -> list[float]:
-        lr = self.min_lr + (self.max_lr - self.min_lr) * self.gamma(iteration)
-        return [lr] * len(self.optimizer.param_groups)
+        gamma = self.gamma(iteration)
+        return [self.min_lr + (max_lr - self.min_lr) * gamma for max_lr in self.max_lrs]
 
 
 class WarmupDecayLR(WarmupLR):

@@ -136,6 +136,8 @@ def test_the_schedules_are_deepspeeds(deepspeed_schedules: Any, name: str, param
             ):
                 where = f"group {group} of {make.__name__} after {step} steps"
                 assert ours_group["lr"] == pytest.approx(theirs_group["lr"], abs=1e-12), f"lr, {where}"
-                assert ours_group["betas"] == pytest.approx(theirs_group["betas"], abs=1e-12), f"betas, {where}"
+                assert ours_group["betas"] == pytest.approx(theirs_group["betas"], abs=1e-12), (
+                    f"betas, {where}"
+                )
             ours.step()
             theirs.step()

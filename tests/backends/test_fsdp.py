@@ -42,8 +42,9 @@ def data() -> TensorDataset:
 
 
 def train(backend: str, checkpoints: str | None = None, stop_at: int | None = None,
-          resume: bool = False) -> dict[str, Any] | None:  # fmt: skip
-    engine, _ = spikingsail.initialize(model=model(), config=config(backend), checkpoints_path=checkpoints,
+          resume: bool = False, stage: int | None = None) -> dict[str, Any] | None:  # fmt: skip
+    cfg = config(backend) | ({} if stage is None else {"zero_optimization": {"stage": stage}})
+    engine, _ = spikingsail.initialize(model=model(), config=cfg, checkpoints_path=checkpoints,
                                        resume=resume)  # fmt: skip
     loader = engine.dataloader(data())
 
@@ -62,9 +63,10 @@ def train(backend: str, checkpoints: str | None = None, stop_at: int | None = No
     return result
 
 
-def test_fsdp_trains_like_ddp_with_sharded_parameters() -> None:
+@pytest.mark.parametrize("stage", [None, 2])
+def test_fsdp_trains_like_ddp_with_sharded_parameters(stage: int | None) -> None:
     ddp = run_ranks(train, 2, "ddp")
-    fsdp = run_ranks(train, 2, "fsdp")
+    fsdp = run_ranks(train, 2, "fsdp", None, None, False, stage)
     assert fsdp[0]["local_rows"] == fsdp[1]["local_rows"] == 16  # each rank holds half of the 32 rows
     assert ddp[0]["local_rows"] == 32
     for rank in (0, 1):
@@ -84,6 +86,28 @@ def test_fsdp_resume_is_exact(tmp_path: Path) -> None:
     for rank in (0, 1):
         for key, value in straight[rank]["params"].items():
             assert torch.equal(resumed[rank]["params"][key], value), key
+
+
+def between_forward_and_backward(stage: int | None) -> dict[str, Any]:
+    """Whether a unit's parameter is sharded between its forward and the backward, and the weights
+    after training as the config's ZeRO stage has it."""
+    cfg = config("fsdp") | ({} if stage is None else {"zero_optimization": {"stage": stage}})
+    engine, _ = spikingsail.initialize(model=model(), config=cfg)
+    x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+    loss = F.cross_entropy(engine(x), y)
+    sharded = isinstance(engine.module[0].weight, DTensor)
+    engine.backward(loss)
+    engine.step()
+    engine.close()
+    return {"sharded": sharded}
+
+
+@pytest.mark.parametrize(("stage", "sharded"), [(None, True), (0, True), (1, False), (2, False), (3, True)])
+def test_zero_stages_1_and_2_keep_parameters_gathered_from_forward_to_backward(
+    stage: int | None, sharded: bool
+) -> None:
+    for rank, seen in run_ranks(between_forward_and_backward, 2, stage).items():
+        assert seen == {"sharded": sharded}, f"rank {rank}, zero_optimization.stage {stage}"
 
 
 def test_an_optimizer_that_has_stepped_is_refused() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from spikingsail.backends import backend_class
 from spikingsail.config import load_config
-from spikingsail.engine.initialize import _check_balance, _check_zero_stage, _report_unused
+from spikingsail.engine.initialize import _check_balance, _check_offload, _check_zero_stage, _report_unused
 from spikingsail.errors import ConfigError
 
 MICRO = {"train_micro_batch_size_per_gpu": 4}
@@ -188,13 +188,48 @@ def test_messages_name_the_file(tmp_path: Path) -> None:
 
 
 def test_deepspeed_keys_without_effect_warn(caplog: pytest.LogCaptureFixture) -> None:
-    config = load_config({**MICRO, "wall_clock_breakdown": False}, 1)
+    raw = {**MICRO, "wall_clock_breakdown": False,
+           "zero_optimization": {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 5,
+                                 "offload_param": {"device": "none"}}}  # fmt: skip
+    config = load_config(raw, 1)
+    for name in ("ddp", "fsdp", "horovod"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            _report_unused(config, backend_class(name))
+        for key in ("wall_clock_breakdown", "zero_optimization.overlap_comm", "zero_optimization.reduce_bucket_size",
+                    "zero_optimization.offload_param"):  # fmt: skip
+            assert (
+                f"'{key}' is accepted for DeepSpeed compatibility but has no effect with backend {name} "
+                '(it takes effect with "sail": {"backend": "deepspeed"}; remove it to silence this)'
+            ) in caplog.text
+        assert "stage" not in caplog.text
+    caplog.clear()
     with caplog.at_level(logging.WARNING):
-        _report_unused(config, "ddp", frozenset())
-    assert (
-        "'wall_clock_breakdown' is accepted for DeepSpeed compatibility but has no effect with backend ddp"
-        in caplog.text
+        _report_unused(config, backend_class("deepspeed"))  # DeepSpeed takes them all
+    assert caplog.text == ""
+
+
+@pytest.mark.parametrize(
+    ("zero", "named"),
+    [
+        ({"offload_optimizer": {"device": "cpu", "pin_memory": True}}, "zero_optimization.offload_optimizer.device is 'cpu'"),
+        ({"offload_param": {"device": "nvme", "nvme_path": "/nvme"}}, "zero_optimization.offload_param.device is 'nvme'"),
+        ({"cpu_offload": True}, "zero_optimization.cpu_offload is True"),
+    ],
+)  # fmt: skip
+def test_an_offload_the_backend_does_not_do_is_refused(zero: dict[str, Any], named: str) -> None:
+    config = load_config({**MICRO, "zero_optimization": {"stage": 1, **zero}}, 1)
+    for name in ("ddp", "fsdp", "horovod"):
+        with pytest.raises(
+            ConfigError, match=re.escape(f"{named}, an offload that backend {name} does not do")
+        ) as err:
+            _check_offload(config, backend_class(name))
+        assert 'set "sail": {"backend": "deepspeed"}, or remove zero_optimization.' in str(err.value)
+    _check_offload(config, backend_class("deepspeed"))  # handed to DeepSpeed
+    off = load_config(
+        {**MICRO, "zero_optimization": {"offload_optimizer": {"device": "none"}, "cpu_offload": False}}, 1
     )
+    _check_offload(off, backend_class("ddp"))  # asks for nothing
 
 
 def test_a_zero_stage_the_backend_does_not_implement_is_refused() -> None:

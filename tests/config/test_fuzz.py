@@ -27,7 +27,7 @@ import torch
 from spikingsail.backends import backend_class, load_config
 from spikingsail.backends.horovod import horovod_options
 from spikingsail.engine.engine import seed_everything
-from spikingsail.engine.initialize import _check_zero_stage
+from spikingsail.engine.initialize import _check_offload, _check_zero_stage
 from spikingsail.engine.precision import select_precision
 from spikingsail.errors import SailError
 from spikingsail.optim.optimizers import build_optimizer
@@ -101,7 +101,8 @@ OPTIMIZERS = [
     {"type": "NAdam", "params": {**ADAM_LIKE, "momentum_decay": 0.004, "decoupled_weight_decay": True}},
     {"type": "RAdam", "params": {**ADAM_LIKE, "decoupled_weight_decay": False}},
 ]
-OFFLOAD = {"device": "cpu", "nvme_path": None, "buffer_count": 4, "pin_memory": True}
+# "none": the ddp backend of EVERY_SECTION refuses an offload it would not do
+OFFLOAD = {"device": "none", "nvme_path": None, "buffer_count": 4, "pin_memory": True}
 EVERY_SECTION: dict[str, Any] = {
     "train_batch_size": 8,
     "train_micro_batch_size_per_gpu": 4,
@@ -210,6 +211,7 @@ def prepare_and_step(raw: dict[str, Any]) -> None:
     config = load_config(raw, world_size=1)
     backend = backend_class(config.sail.backend, config.source)
     _check_zero_stage(config, backend.name, backend.max_zero_stage)
+    _check_offload(config, backend)
     if backend.name == "horovod":
         horovod_options(config)
     model = torch.nn.Linear(2, 1)

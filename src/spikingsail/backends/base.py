@@ -37,6 +37,8 @@ class Backend(ABC):
     """DeepSpeed keys outside SpikingSail's core that this backend acts on (others only warn)."""
     max_zero_stage: ClassVar[int] = 0
     """The highest ``zero_optimization.stage`` this backend implements."""
+    honours_zero_options: ClassVar[bool] = False
+    """Whether the ``zero_optimization`` keys besides ``stage`` (offload, buckets, …) take effect."""
     balances: ClassVar[bool] = True
     """Whether ranks may take unequal micro-batches (``sail.balance``): the backend averages
     gradients over ranks, which the engine's per-rank loss weights turn into the global mean."""

@@ -88,6 +88,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
     name = "deepspeed"
     honoured_deepspeed_keys = INERT_DEEPSPEED_KEYS
     max_zero_stage = 3
+    honours_zero_options = True  # handed to DeepSpeed
     balances = False  # DeepSpeed's engine checks that every rank's micro-batch is the configured one
     checkpoint_format: ClassVar[str] = "deepspeed"
 

@@ -55,10 +55,14 @@ class FSDPBackend(ProcessGroupBackend):
                 "build the optimizer from model.parameters()",
             )
         policy = MixedPrecisionPolicy(**self._precision())
+        # ZeRO-3 (and no stage given) frees each unit's gathered parameters after its forward and
+        # gathers them again for backward; stages 1 and 2 keep them from forward to backward, as
+        # DeepSpeed's stages do (FSDP2 has no mode that leaves parameters unsharded at rest).
+        reshard = self.config.zero_optimization.stage not in (1, 2)
         for child in model.children():
             if any(True for _ in child.parameters()):
-                fully_shard(child, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+                fully_shard(child, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
         assert isinstance(model, FSDPModule)
         self.root = model
         sharded = dict(model.named_parameters())

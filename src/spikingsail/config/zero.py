@@ -67,6 +67,17 @@ OFFLOAD_KEYS: dict[str, str | Range] = {
 }
 
 
+def offloads(options: dict[str, Any]) -> dict[str, Any]:
+    """The keys of ``options`` (a ``ZeroConfig.options``) that ask for parameters or optimizer
+    state to be moved off the GPU, as ``zero_optimization``-relative paths, with their values."""
+    asked = {
+        f"{key}.device": options[key].get("device")
+        for key in ("offload_optimizer", "offload_param")
+        if isinstance(options.get(key), dict) and options[key].get("device", "none") not in ("none", None)
+    }
+    return asked | {key: True for key in ("cpu_offload", "cpu_offload_params") if options.get(key)}
+
+
 def build_zero(raw: Any, where: str) -> ZeroConfig:
     """The section as a ``ZeroConfig``; DeepSpeed's legacy boolean form (true = stage 1) is accepted."""
     if isinstance(raw, bool):

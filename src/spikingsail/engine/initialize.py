@@ -21,6 +21,7 @@ import torch.distributed as dist
 from spikingsail.backends import Backend, available, backend_class, load_config, sharding_backends
 from spikingsail.checkpoint.store import CheckpointStore
 from spikingsail.config.schema import SailConfig, summary
+from spikingsail.config.zero import offloads
 from spikingsail.engine.engine import Engine, LRScheduler
 from spikingsail.engine.replicas import (
     ReplicaEnv,
@@ -163,8 +164,9 @@ def initialize(
     backend_cls = backend_class(sail_config.sail.backend, sail_config.source)
     if rank_info.is_rank_zero:
         log.info("SpikingSail config (%s):\n%s", rank_info.source, summary(sail_config))
-        _report_unused(sail_config, backend_cls.name, backend_cls.honoured_deepspeed_keys)
+        _report_unused(sail_config, backend_cls)
     _check_zero_stage(sail_config, backend_cls.name, backend_cls.max_zero_stage)  # on every rank
+    _check_offload(sail_config, backend_cls)
     _check_balance(sail_config, backend_cls, model)
     if replicas is not None:  # before the backend starts (DeepSpeed's own batch checks would speak first)
         check_supported(sail_config, backend_cls.name)
@@ -219,15 +221,31 @@ def _config_from_args(args: argparse.Namespace | None, config: ConfigSource) -> 
     return config
 
 
-def _report_unused(config: SailConfig, backend: str, honoured: frozenset[str]) -> None:
-    for key in config.inert_keys:
-        if key not in honoured:
-            log.warning(
-                "%s: '%s' is accepted for DeepSpeed compatibility but has no effect with backend %s",
-                config.source,
-                key,
-                backend,
-            )
+def _report_unused(config: SailConfig, backend: type[Backend]) -> None:
+    unused = [key for key in config.inert_keys if key not in backend.honoured_deepspeed_keys]
+    if not backend.honours_zero_options:
+        unused += [f"zero_optimization.{key}" for key in config.zero_optimization.options]
+    for key in unused:
+        log.warning(
+            "%s: '%s' is accepted for DeepSpeed compatibility but has no effect with backend %s "
+            '(it takes effect with "sail": {"backend": "deepspeed"}; remove it to silence this)',
+            config.source,
+            key,
+            backend.name,
+        )
+
+
+def _check_offload(config: SailConfig, backend: type[Backend]) -> None:
+    asked = offloads(config.zero_optimization.options)
+    if asked and not backend.honours_zero_options:
+        key, value = next(iter(asked.items()))
+        raise ConfigError(
+            f"{config.source}: zero_optimization.{key} is {value!r}, an offload that backend {backend.name} "
+            "does not do",
+            "running without it would silently keep on the GPU what the offload is meant to move off it",
+            'set "sail": {"backend": "deepspeed"}, or remove '
+            + ", ".join(f"zero_optimization.{k.removesuffix('.device')}" for k in asked),
+        )
 
 
 def _check_zero_stage(config: SailConfig, backend: str, max_stage: int) -> None:

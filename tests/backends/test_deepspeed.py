@@ -273,3 +273,34 @@ def test_one_process_without_a_launcher_trains_in_fp16_or_refuses_clearly() -> N
     assert "AVX512-FP16 or AMX-FP16" in result.stderr
     assert "fix: set fp16.enabled to false" in result.stderr
     assert "Type fp16 is not supported on your device" not in result.stderr
+
+
+TORCH_ADAM = """
+import torch
+import spikingsail
+from spikingsail.environments import RankInfo
+for backend in ("deepspeed", "ddp"):
+    for kind in ("Adam", "AdamW"):
+        engine, optimizer = spikingsail.initialize(
+            model=torch.nn.Linear(2, 1), rank_info=RankInfo.single(),
+            config={"train_micro_batch_size_per_gpu": 1, "sail": {"backend": backend, "progress_bar": False},
+                    "optimizer": {"type": kind, "params": {"lr": 0.1, "torch_adam": True}}})
+        inner = getattr(optimizer, "optimizer", optimizer)
+        print("decay", backend, kind, type(inner).__name__, inner.param_groups[0]["weight_decay"])
+        engine.close()
+"""
+
+
+def test_torch_adam_without_weight_decay_decays_by_0_on_deepspeed_as_elsewhere() -> None:
+    # DeepSpeed's torch_adam path builds torch's AdamW, whose own default weight decay is 0.01. The
+    # four engines run one after another in one process: closing a deepspeed engine must also drop
+    # the groups DeepSpeed cached, or the next deepspeed.initialize fails on a destroyed group.
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    result = subprocess.run(
+        [sys.executable, "-c", TORCH_ADAM], capture_output=True, text=True, timeout=180, env=env
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("decay ")]
+    assert lines == [
+        f"decay {backend} {kind} AdamW 0.0" for backend in ("deepspeed", "ddp") for kind in ("Adam", "AdamW")
+    ]

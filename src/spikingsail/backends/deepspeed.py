@@ -80,6 +80,14 @@ def deepspeed_config(config: SailConfig) -> dict[str, Any]:
     if "zero_optimization" in ds:
         zero = config.zero_optimization
         ds["zero_optimization"] = {"stage": zero.stage, **zero.options}
+    optimizer = ds.get("optimizer")
+    if isinstance(optimizer, dict) and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
+        # DeepSpeed's FusedAdam and CPU Adam decay by 0 unless told, but with "torch_adam" it builds
+        # torch's AdamW, whose default is 0.01: the same file would train differently here than on
+        # the other backends (which follow the first). Say 0 explicitly.
+        params = optimizer.get("params") or {}
+        if "weight_decay" not in params:
+            ds["optimizer"] = {**optimizer, "params": {**params, "weight_decay": 0.0}}
     ds["steps_per_print"] = _NEVER
     return ds
 
@@ -332,6 +340,14 @@ class DeepSpeedBackend(ProcessGroupBackend):
             with contextlib.suppress(Exception):
                 self.ds.destroy()
             self.ds = None
+        if self._owns_group and dist.is_initialized() and "deepspeed" in sys.modules:
+            # Through DeepSpeed, which also drops the groups it cloned from this one: torch's own
+            # destroy would leave them cached, and the next engine in this process would fail in
+            # deepspeed.initialize on a group that no longer exists.
+            import deepspeed.comm
+
+            deepspeed.comm.destroy_process_group()
+            self._owns_group = False
         super().teardown()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import socket
 from typing import Any
@@ -89,14 +90,40 @@ def test_client_optimizer_wins_over_config(caplog: pytest.LogCaptureFixture) -> 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     client = torch.optim.SGD(model.parameters(), lr=0.5)
-    engine, optimizer = spikingsail.initialize(
-        model=model,
-        optimizer=client,
-        rank_info=SINGLE,
-        config={"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1}}},
-    )
+    with caplog.at_level(logging.INFO):
+        engine, optimizer = spikingsail.initialize(
+            model=model,
+            optimizer=client,
+            rank_info=SINGLE,
+            config={"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1}}},
+        )
     assert optimizer is client
     assert "the config's optimizer section (AdamW) is ignored" in caplog.text
+    assert (
+        "optimizer               : SGD, passed to the engine (the config's AdamW is ignored)" in caplog.text
+    )
+    engine.close()
+
+
+def test_client_scheduler_wins_over_config_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    model = torch.nn.Linear(4, 2)
+    client = torch.optim.SGD(model.parameters(), lr=0.5)
+    schedule = torch.optim.lr_scheduler.StepLR(client, step_size=1, gamma=0.5)
+    config = {"train_micro_batch_size_per_gpu": 2, "scheduler": {"type": "WarmupLR", "params": {}}}
+    with caplog.at_level(logging.INFO):
+        engine, _ = spikingsail.initialize(
+            model=model, optimizer=client, lr_scheduler=schedule, rank_info=SINGLE, config=config
+        )
+    assert engine.lr_scheduler is schedule
+    assert (
+        "the lr_scheduler passed to the engine (StepLR) is used; the config's scheduler section (WarmupLR) is ignored"
+        in caplog.text
+    )
+    assert (
+        "scheduler               : StepLR, passed to the engine (the config's WarmupLR is ignored)"
+        in caplog.text
+    )
+    assert "optimizer               : SGD, passed to the engine\n" in caplog.text
     engine.close()
 
 

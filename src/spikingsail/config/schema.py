@@ -261,8 +261,16 @@ class SailConfig:
     """The config as read (JSON), for backends that hand it to their own engine (DeepSpeed)."""
 
 
-def summary(config: SailConfig) -> str:
-    """An aligned dump of the settings that shape a run, logged once at start."""
+def summary(config: SailConfig, optimizer: Any = None, lr_scheduler: Any = None) -> str:
+    """An aligned dump of the settings that shape a run, logged once at start; ``optimizer`` and
+    ``lr_scheduler`` are the ones passed to the engine, which take the place of the config's."""
+
+    def source(given: Any, section: OptimizerConfig | SchedulerConfig | None, default: str) -> str:
+        if given is None:
+            return section.type if section else default
+        ignored = f" (the config's {section.type} is ignored)" if section else ""
+        return f"{type(given).__name__}, passed to the engine{ignored}"
+
     precision = "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else "fp32"
     rows = {
         "config": config.source,
@@ -272,8 +280,8 @@ def summary(config: SailConfig) -> str:
             f"{config.train_batch_size} = micro {config.train_micro_batch_size_per_gpu}"
             f" × accumulation {config.gradient_accumulation_steps} × world {config.world_size}"
         ),
-        "optimizer": config.optimizer.type if config.optimizer else "client",
-        "scheduler": config.scheduler.type if config.scheduler else "none",
+        "optimizer": source(optimizer, config.optimizer, "none"),
+        "scheduler": source(lr_scheduler, config.scheduler, "none"),
         "precision": precision,
         "gradient_clipping": str(config.gradient_clipping or "off"),
         "zero_optimization.stage": str(config.zero_optimization.stage),

@@ -92,7 +92,7 @@ class Engine:
         self.config = config
         self.rank_info = rank_info
         self.backend = backend
-        _check_optimizer_source(config, optimizer)
+        _check_optimizer_source(config, optimizer, lr_scheduler)
         if config.sail.seed is not None:
             seed_everything(config.sail.seed)
         if config.sail.deterministic:
@@ -1056,7 +1056,9 @@ class Engine:
         self.close()
 
 
-def _check_optimizer_source(config: SailConfig, optimizer: torch.optim.Optimizer | None) -> None:
+def _check_optimizer_source(
+    config: SailConfig, optimizer: torch.optim.Optimizer | None, lr_scheduler: LRScheduler | None = None
+) -> None:
     if optimizer is None and config.optimizer is None:
         raise ConfigError(
             f"{config.source}: no optimizer",
@@ -1068,6 +1070,13 @@ def _check_optimizer_source(config: SailConfig, optimizer: torch.optim.Optimizer
             "%s: the optimizer passed to the engine is used; the config's optimizer section (%s) is ignored",
             config.source,
             config.optimizer.type,
+        )
+    if lr_scheduler is not None and config.scheduler is not None:
+        log.warning(
+            "%s: the lr_scheduler passed to the engine (%s) is used; the config's scheduler section (%s) is ignored",
+            config.source,
+            type(lr_scheduler).__name__,
+            config.scheduler.type,
         )
 
 

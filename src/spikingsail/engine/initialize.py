@@ -163,7 +163,9 @@ def initialize(
         )
     backend_cls = backend_class(sail_config.sail.backend, sail_config.source)
     if rank_info.is_rank_zero:
-        log.info("SpikingSail config (%s):\n%s", rank_info.source, summary(sail_config))
+        log.info(
+            "SpikingSail config (%s):\n%s", rank_info.source, summary(sail_config, optimizer, lr_scheduler)
+        )
         _report_unused(sail_config, backend_cls)
     _check_zero_stage(sail_config, backend_cls.name, backend_cls.max_zero_stage)  # on every rank
     _check_offload(sail_config, backend_cls)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from spikingsail.config.schema import FP16Config, SailConfig
-from spikingsail.errors import BackendError
+from spikingsail.errors import BackendError, SailError
 
 
 class Precision:
@@ -110,10 +110,21 @@ class FP16Precision(Precision):
         return found
 
     def update(self, overflow: bool) -> None:
+        """DeepSpeed's ``DynamicLossScaler.update_scale``, step for step: halve on an overflow once
+        the hysteresis is spent, double after ``loss_scale_window`` clean steps that follow the
+        step after the last overflow, and stop the run on an overflow at ``min_loss_scale``."""
         if not self.dynamic:
             return
         if overflow:
             if self.hysteresis == 1 or self.hysteresis_left == 1:
+                if self.scale == self.min_scale:
+                    raise SailError(
+                        f"fp16: the gradients overflowed at the minimum loss scale (fp16.min_loss_scale {self.min_scale:g})",
+                        "they are not finite even at the smallest scale allowed: every further step would be skipped "
+                        "(DeepSpeed stops the run here too)",
+                        "look for NaN or infinite inputs or losses, lower the learning rate, or train in bf16 "
+                        "(bf16.enabled) where the CPU or GPU has it",
+                    )
                 self.scale = max(self.scale / 2, self.min_scale)
             else:
                 self.hysteresis_left -= 1
@@ -121,7 +132,8 @@ class FP16Precision(Precision):
         else:
             if self.consecutive_hysteresis:
                 self.hysteresis_left = self.hysteresis
-            if (self.iteration - self.last_overflow) % self.window == 0:
+            stable = self.iteration - self.last_overflow - 1
+            if stable > 0 and stable % self.window == 0:
                 if not self.consecutive_hysteresis:
                     self.hysteresis_left = self.hysteresis
                 self.scale *= 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -100,7 +101,7 @@ def test_the_dynamic_scale_is_deepspeeds_step_for_step() -> None:
     stopped = 0
     for case, seen in zip(cases, runs, strict=True):
         scales = [scale for _, scale, *_ in seen]
-        rose = any(b > a for a, b in zip(scales, scales[1:], strict=False))
+        rose = any(b > a for a, b in itertools.pairwise(scales))
         assert rose or seen[-1][3] is not None, (
             f"{case}: the scale never grew nor stopped; the case tests little"
         )

@@ -200,3 +200,49 @@ def test_a_save_inside_an_accumulation_window_is_refused_before_writing(tmp_path
         )
         assert "save after engine.step() on an accumulation boundary" in message
         assert message.endswith("| written: []")
+
+
+def batch_norm_run(backend: str, checkpoints: str, stop: bool, resume: bool) -> dict[str, Any] | None:
+    """A model with a batch norm of its own on each rank (no SyncBatchNorm): 12 micro-steps, saved
+    at the sixth; ``stop`` ends the run there, ``resume`` continues from that checkpoint. Returns the
+    rank's own parameters and buffers."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(6, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(), torch.nn.Linear(32, 3)
+    )
+    engine, _ = spikingsail.initialize(
+        model=net, config=config(backend), checkpoints_path=checkpoints, resume=resume
+    )
+    loader = engine.dataloader(data())
+    while engine.micro_steps < MICRO_STEPS:
+        for x, y in loader:
+            engine.backward(F.cross_entropy(engine(x), y))
+            engine.step()
+            if engine.micro_steps == 6:
+                engine.save_checkpoint(checkpoints)
+                if stop:
+                    engine.close()
+                    return None
+            if engine.micro_steps == MICRO_STEPS:
+                break
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+             for k, v in engine.module.state_dict().items()}  # fmt: skip
+    engine.close()
+    return state
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "ddp"])
+def test_a_resume_with_per_rank_batch_norm_statistics_equals_the_run_that_saved(
+    tmp_path: Path, backend: str
+) -> None:
+    straight = run_ranks(batch_norm_run, 2, backend, str(tmp_path / "straight"), False, False)
+    assert run_ranks(batch_norm_run, 2, backend, str(tmp_path / "stopped"), True, False) == {0: None, 1: None}
+    resumed = run_ranks(batch_norm_run, 2, backend, str(tmp_path / "stopped"), False, True)
+    running = [name for name in straight[0] if "running_" in name]
+    assert running == ["1.running_mean", "1.running_var"]
+    # each rank's batch norm sees its own batches: the ranks' statistics differ, so the test would
+    # see a checkpoint that gives every rank another rank's
+    assert not torch.equal(straight[0]["1.running_mean"], straight[1]["1.running_mean"])
+    for rank in (0, 1):
+        for name, value in straight[rank].items():
+            assert torch.equal(resumed[rank][name], value), f"rank {rank}: {name}"

@@ -51,7 +51,7 @@ def horovodrun(out: Path, plan: list[dict[str, Any]]) -> Results:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Results]:
     root = tmp_path_factory.mktemp("horovod")
-    ckpt = {name: str(root / f"ckpt-{name}") for name in ("ddp", "hvd", "mid")}
+    ckpt = {name: str(root / f"ckpt-{name}") for name in ("ddp", "hvd", "mid", "bn", "bn_straight")}
     ddp = run_ranks(run_plan, 2, [
         {"tag": "straight", "backend": "ddp", "own_group": True},
         {"tag": "save", "backend": "ddp", "checkpoints": ckpt["ddp"], "stop_at": 6, "own_group": True},
@@ -69,6 +69,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Results]:
         {"tag": "save_mid_window", "backend": "horovod", "checkpoints": ckpt["mid"], "stop_at": 5},
         {"tag": "resume_mid_window", "backend": "horovod", "checkpoints": ckpt["mid"], "resume": True},
         {"tag": "from_ddp", "backend": "horovod", "checkpoints": ckpt["ddp"], "resume": True},
+        {"tag": "bn_straight", "backend": "horovod", "batch_norm": True, "checkpoints": ckpt["bn_straight"],
+         "save_at": 6},
+        {"tag": "bn_save", "backend": "horovod", "batch_norm": True, "checkpoints": ckpt["bn"], "stop_at": 6},
+        {"tag": "bn_resume", "backend": "horovod", "batch_norm": True, "checkpoints": ckpt["bn"], "resume": True},
         {"tag": "compressed", "backend": "horovod", "clip": False, "horovod": {"compression": "fp16"}},
         {"tag": "adasum", "backend": "horovod", "clip": False, "horovod": {"op": "Adasum"},
          "expect_error": True},
@@ -190,6 +194,21 @@ def test_save_and_resume_under_horovod_is_exact(runs: dict[str, Results]) -> Non
         assert_same_params(hvd["resume"]["params"], hvd["straight"]["params"], "resume")
         assert_same_params(hvd["resume_mid_window"]["params"], hvd["straight"]["params"], "mid-window")
         assert hvd["resume"]["losses"] == hvd["straight"]["losses"][3:]
+
+
+def test_a_resume_with_per_rank_batch_norm_statistics_equals_the_run_that_saved(
+    runs: dict[str, Results],
+) -> None:
+    # each rank's batch norm sees its own batches (Horovod syncs no buffers): their statistics
+    # differ, and a checkpoint that gave every rank another rank's would show here
+    straight = [runs["hvd"][rank]["bn_straight"]["params"] for rank in (0, 1)]
+    assert not torch.equal(straight[0]["1.running_mean"], straight[1]["1.running_mean"])
+    for rank in (0, 1):
+        assert runs["hvd"][rank]["bn_save"] is None
+        resumed = runs["hvd"][rank]["bn_resume"]["params"]
+        assert sorted(resumed) == sorted(straight[rank]) and "1.running_var" in resumed
+        for name, value in straight[rank].items():
+            assert torch.equal(resumed[name], value), f"rank {rank}: {name}"
 
 
 def test_checkpoints_move_between_ddp_and_horovod(runs: dict[str, Results]) -> None:

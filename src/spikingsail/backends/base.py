@@ -142,7 +142,17 @@ class Backend(ABC):
         background: bool,
     ) -> Future[Any] | None:
         """Write model and optimizer state into ``directory`` (collective). In the background,
-        return a future that completes when the files are written; otherwise None."""
+        return a future that completes when the files are written; otherwise None.
+
+        Buffers that each rank updates for itself (batch-norm running statistics without
+        SyncBatchNorm) differ between ranks, and DCP writes one copy of a replicated tensor from
+        whichever rank it picks: rank 0's are given to every rank first, so the checkpoint holds
+        them and every rank continues from them, in the run that saved as in one that resumes
+        (DDP does the same at every forward; DeepSpeed saves rank 0's)."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            with torch.no_grad():
+                for buffer in persistent_buffers(module):
+                    dist.broadcast(buffer, src=0)
         state = dcp_io.state_to_save(module, optimizer)
         if background:
             return dcp_io.async_save(state, directory, group)
@@ -188,3 +198,11 @@ class Backend(ABC):
 
     def teardown(self) -> None:
         """Release what ``setup`` acquired."""
+
+
+def persistent_buffers(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The buffers a state_dict holds (not, e.g., snntorch's per-rank membrane potentials)."""
+    for m in module.modules():
+        for name, buffer in m._buffers.items():
+            if buffer is not None and name not in m._non_persistent_buffers_set:
+                yield buffer

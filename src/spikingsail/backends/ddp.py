@@ -73,13 +73,7 @@ class DDPBackend(ProcessGroupBackend):
         group: dist.ProcessGroup | None,
         background: bool,
     ) -> Future[Any] | None:
-        if self.ddp is not None and self.ddp.broadcast_buffers:
-            # Buffers (batch-norm running statistics) differ between ranks after a forward; DDP
-            # overwrites them with rank 0's at the next forward. Do that now, so the checkpoint
-            # holds what every rank continues from, whichever rank's copy DCP writes.
-            with torch.no_grad():
-                for buffer in _persistent_buffers(module):
-                    dist.broadcast(buffer, src=0)
+        # the base gives every rank rank 0's buffers first, as DDP does at the next forward
         return super().save_state(module, self._local(optimizer), directory, group, background)
 
     def load_state(
@@ -152,11 +146,3 @@ def _without_empty_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     finally:
         loaded = iter(optimizer.param_groups)
         optimizer.param_groups = [next(loaded) if group["params"] else group for group in groups]
-
-
-def _persistent_buffers(module: torch.nn.Module) -> Iterator[torch.Tensor]:
-    """The buffers a state_dict holds (not, e.g., snntorch's per-rank membrane potentials)."""
-    for m in module.modules():
-        for name, buffer in m._buffers.items():
-            if buffer is not None and name not in m._non_persistent_buffers_set:
-                yield buffer

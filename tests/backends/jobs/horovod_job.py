@@ -5,8 +5,8 @@
 A plan is a list of runs, done in order by every rank, each with a fresh engine:
 
     {"tag": "straight", "backend": "horovod", "horovod": {...}, "clip": true, "precision": "fp16",
-     "checkpoints": DIR, "stop_at": MICRO_STEP, "resume": false, "expect_error": false,
-     "own_group": false}
+     "checkpoints": DIR, "stop_at": MICRO_STEP, "save_at": MICRO_STEP, "resume": false,
+     "expect_error": false, "own_group": false, "batch_norm": false}
 
 ``own_group`` (for ddp runs under torchrun's agent): the job creates the default process group itself,
 with keys of its own in the agent's store. A process that joins the group a second time through
@@ -41,9 +41,11 @@ MICRO_STEPS = 12
 ENV_SHOWN = ("MASTER_ADDR", "MASTER_PORT", "SAIL_PROBE", "AWS_SECRET_ACCESS_KEY")
 
 
-def model() -> torch.nn.Module:
+def model(batch_norm: bool = False) -> torch.nn.Module:
+    """``batch_norm``: with a batch norm whose running statistics each rank keeps for itself."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+    norm = [torch.nn.BatchNorm1d(32)] if batch_norm else []
+    return torch.nn.Sequential(torch.nn.Linear(6, 32), *norm, torch.nn.Tanh(), torch.nn.Linear(32, 3))
 
 
 def config(run: dict[str, Any]) -> dict[str, Any]:
@@ -72,7 +74,7 @@ def data() -> TensorDataset:
 
 def train(run: dict[str, Any]) -> dict[str, Any] | None:
     engine, optimizer = spikingsail.initialize(
-        model=model(), config=config(run), checkpoints_path=run.get("checkpoints"),
+        model=model(run.get("batch_norm", False)), config=config(run), checkpoints_path=run.get("checkpoints"),
         resume=run.get("resume", False),
     )  # fmt: skip
     stepped: list[dict[str, torch.Tensor]] = []
@@ -103,6 +105,8 @@ def train(run: dict[str, Any]) -> dict[str, Any] | None:
                 engine.save_checkpoint(run["checkpoints"])
                 engine.close()
                 return None
+            if engine.micro_steps == run.get("save_at"):
+                engine.save_checkpoint(run["checkpoints"])  # and go on
             if engine.micro_steps == MICRO_STEPS:
                 break
     result = {

@@ -221,6 +221,18 @@ def test_a_split_change_inside_an_accumulation_window_is_refused(tmp_path: Path)
                                   "train_batch_size": 8})  # fmt: skip
 
 
+def test_a_backend_change_inside_an_accumulation_window_is_refused(tmp_path: Path) -> None:
+    # the window's partial gradients are plain tensors; fsdp would step them as its sharded ones
+    checkpoints = saved_at_step(tmp_path, micro_steps=5)  # inside a window of 2
+    with pytest.raises(CheckpointError, match=r"(?s)inside a gradient accumulation window.*"
+                       r'sail.backend: saved "ddp", now "fsdp".*resume with the saved split and backend'):  # fmt: skip
+        resume_with(checkpoints, {"sail": {"backend": "fsdp", "seed": 11, "progress_bar": False}})
+    on_a_boundary = saved_at_step(tmp_path / "boundary", micro_steps=4)
+    engine = resume_with(on_a_boundary, {"sail": {"backend": "fsdp", "seed": 11, "progress_bar": False}})
+    assert engine.micro_steps == 4
+    engine.close()
+
+
 def test_load_module_only_starts_a_new_run_from_the_saved_weights(tmp_path: Path) -> None:
     checkpoints = saved_at_step(tmp_path)
     reference = resume_with(checkpoints, {})

@@ -20,6 +20,10 @@ from spikingsail.errors import CheckpointError
 
 SPLIT = ("world_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 """How train_batch_size is divided: may change on a step boundary (re-counted exactly)."""
+_WINDOW = (*SPLIT, "sail.backend")
+"""What a save inside an accumulation window ties the resume to: its partial gradients are the
+saved ranks' and micro-batches', held as the saved backend holds them (plain tensors; FSDP's are
+sharded DTensors)."""
 FREE = (
     "checkpoint",
     "steps_per_print",
@@ -56,7 +60,8 @@ def check_resumable(
     path: Path, saved: dict[str, Any], current: dict[str, Any], *, partial_window: bool, with_optimizer: bool
 ) -> None:
     """Raise ``CheckpointError`` naming every setting the resume cannot honour."""
-    exempt = FREE + (() if with_optimizer else _EXEMPT_WITHOUT_OPTIMIZER)
+    free = tuple(key for key in FREE if key != "sail.backend") if partial_window else FREE
+    exempt = free + (() if with_optimizer else _EXEMPT_WITHOUT_OPTIMIZER)
     if "per_chunk" not in (_get(saved, "snn.chunk_batchnorm"), _get(current, "snn.chunk_batchnorm")):
         exempt += _TIME_CHUNKS  # exact chunks spend memory differently, they compute the same
     if not partial_window:
@@ -64,13 +69,13 @@ def check_resumable(
     differences = list(_differences(saved, current, "", exempt))
     if not differences:
         return
-    split_only = all(d.split(":", 1)[0] in SPLIT for d in differences)
-    if split_only:
+    window_only = all(d.split(":", 1)[0] in _WINDOW for d in differences)
+    if window_only:
         raise CheckpointError(
             f"{path} was saved inside a gradient accumulation window; this run splits the batch "
-            f"differently ({'; '.join(differences)})",
-            "the window's partial gradients belong to the micro-batches and ranks that computed them",
-            "resume with the saved split, or from a checkpoint saved on a step boundary",
+            f"differently or runs another backend ({'; '.join(differences)})",
+            "the window's partial gradients belong to the micro-batches, ranks and backend that computed them",
+            "resume with the saved split and backend, or from a checkpoint saved on a step boundary",
         )
     raise CheckpointError(
         f"{path} cannot be resumed with this config: {'; '.join(differences)}",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -246,3 +247,29 @@ def test_a_resume_with_per_rank_batch_norm_statistics_equals_the_run_that_saved(
     for rank in (0, 1):
         for name, value in straight[rank].items():
             assert torch.equal(resumed[rank][name], value), f"rank {rank}: {name}"
+
+
+def from_unseeded_model(backend: str) -> dict[str, torch.Tensor]:
+    """Each rank builds the model from its own seed (as a script that sets none before building it
+    does); returns the whole model after 6 micro-steps."""
+    torch.manual_seed(100 + int(os.environ["RANK"]))
+    net = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+    engine, _ = spikingsail.initialize(model=net, config=config(backend))
+    loader = engine.dataloader(data())
+    train_micro_steps(
+        engine, loader, 6, lambda x, y: (engine.backward(F.cross_entropy(engine(x), y)), engine.step())
+    )
+    full = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True))
+    state = {k: v.clone() for k, v in full.items()}
+    engine.close()
+    return state
+
+
+def test_ranks_that_built_different_weights_start_from_rank_0s_as_under_ddp() -> None:
+    ddp = run_ranks(from_unseeded_model, 2, "ddp")
+    fsdp = run_ranks(from_unseeded_model, 2, "fsdp")
+    built = [torch.manual_seed(100 + rank) and torch.nn.Linear(6, 32).weight for rank in (0, 1)]
+    assert not torch.equal(*built), "the ranks' seeds must give different weights, or the test tests nothing"
+    for rank in (0, 1):
+        for key, value in ddp[rank].items():
+            torch.testing.assert_close(fsdp[rank][key], value, rtol=1e-5, atol=1e-6, msg=key)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -54,6 +55,12 @@ class FSDPBackend(ProcessGroupBackend):
                 "the FSDP backend points the optimizer at the model's sharded parameters",
                 "build the optimizer from model.parameters()",
             )
+        # fully_shard keeps each rank's own slice of the weights it is given: ranks that initialised
+        # differently (no seed set before the model was built, weights loaded on rank 0 only) would
+        # train a model stitched from several. Start from rank 0's, as DDP and Horovod do.
+        with torch.no_grad():
+            for tensor in (*model.parameters(), *model.buffers()):
+                dist.broadcast(tensor, src=0)
         policy = MixedPrecisionPolicy(**self._precision())
         # ZeRO-3 (and no stage given) frees each unit's gathered parameters after its forward and
         # gathers them again for backward; stages 1 and 2 keep them from forward to backward, as

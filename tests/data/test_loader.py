@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch.utils.data import TensorDataset
 
+import spikingsail
 from spikingsail.data.digits import load_digits_split
 from spikingsail.data.loader import ShardedLoader
+from spikingsail.environments import RankInfo
 
 DATA = TensorDataset(torch.arange(20))
 
@@ -110,3 +112,32 @@ def test_a_pass_left_with_break_is_followed_by_the_next_epoch_with_a_new_shuffle
     assert loader.state_dict() == {"epoch": 4, "position": 0}
     assert list(held) == []  # the abandoned pass yields nothing more and changes nothing
     assert loader.state_dict() == {"epoch": 4, "position": 0}
+
+
+def test_set_epoch_of_the_epoch_under_way_keeps_its_position() -> None:
+    # a torchrun loop kept after porting: `for epoch in range(loader.epoch, E): loader.set_epoch(epoch)`
+    full = epoch_indices(ShardedLoader(DATA, batch_size=3, rank=0, world_size=1, seed=5))
+    resumed = ShardedLoader(DATA, batch_size=3, rank=0, world_size=1, seed=5)
+    resumed.load_state_dict({"epoch": 0, "position": 6})
+    resumed.set_epoch(resumed.epoch)
+    assert epoch_indices(resumed) == full[6:], "set_epoch of the current epoch must not go back to its start"
+    resumed.set_epoch(0)  # another epoch than the one it is in (1 now): from that epoch's start
+    assert epoch_indices(resumed) == full
+
+
+def test_asking_the_engine_for_the_same_loader_every_epoch_reshuffles() -> None:
+    engine, _ = spikingsail.initialize(
+        model=torch.nn.Linear(1, 1),
+        rank_info=RankInfo.single(),
+        config={"train_micro_batch_size_per_gpu": 3, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                "sail": {"seed": 5, "progress_bar": False}},
+    )  # fmt: skip
+    per_epoch = [[int(i) for (b,) in engine.dataloader(DATA, shuffle=True) for i in b] for _ in range(3)]
+    one = engine.dataloader(DATA, shuffle=True)
+    assert one is engine.dataloader(DATA, shuffle=True)
+    assert engine.dataloader(DATA, shuffle=False) is not one  # other arguments: another loader
+    reference = ShardedLoader(DATA, batch_size=3, rank=0, world_size=1, seed=5)
+    assert per_epoch == [epoch_indices(reference) for _ in range(3)]
+    assert per_epoch[0] != per_epoch[1] != per_epoch[2]
+    assert len(engine.loaders.loaders) == 2  # and a checkpoint holds one position per loader
+    engine.close()

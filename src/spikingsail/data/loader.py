@@ -95,9 +95,13 @@ class ShardedLoader:
         self._active: object | None = None  # the pass under way
 
     def set_epoch(self, epoch: int) -> None:
+        """Make the next pass epoch ``epoch`` (as ``DistributedSampler.set_epoch`` does). The epoch
+        the loader is in already keeps its position: the usual ``loader.set_epoch(epoch)`` at the top
+        of a resumed epoch loop continues where the checkpoint left the epoch, not at its start."""
         self._active = None
-        self.epoch = epoch
-        self.position = 0
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.position = 0
 
     def __iter__(self) -> Iterator[Any]:
         if isinstance(self.sampler, ReplicaBatchSampler):

@@ -632,8 +632,15 @@ class Engine:
 
         ``pad=False`` (for evaluation) gives every sample to exactly one rank instead of repeating
         samples to even out the shards. Batches arrive on ``engine.device`` (labels too), unless
-        ``sail.move_inputs_to_device`` is false.
+        ``sail.move_inputs_to_device`` is false. Called again with the same dataset object and the
+        same arguments, it returns the loader it made before: a loop that asks for the loader every
+        epoch goes on to the next epoch (a new shuffle) instead of repeating the first one.
         """
+        arguments = dict(shuffle=shuffle, drop_last=drop_last, pad=pad, batch_size=batch_size, seed=seed,
+                         pin_memory=pin_memory, collate_fn=collate_fn, **loader_kwargs)  # fmt: skip
+        made = self.loaders.made_before(dataset, arguments)
+        if made is not None:
+            return made
         # with sail.balance, a training loader hands each rank its share of every global micro-batch
         shares = self.balancer.shares if self.balancer is not None and pad and batch_size is None else None
         training = pad and batch_size is None
@@ -659,7 +666,7 @@ class Engine:
             self._balanced_loader = loader
         if replicated is not None:
             self._replica_loader = loader
-        self.loaders.add(loader)
+        self.loaders.add(loader, dataset, arguments)
         return loader
 
     def _replica_sampler(

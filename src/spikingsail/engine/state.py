@@ -89,12 +89,23 @@ class LoaderPositions:
     def __init__(self) -> None:
         self.loaders: list[ShardedLoader] = []
         self._pending: dict[int, dict[str, int]] = {}
+        self._made_from: list[tuple[object, dict[str, Any]]] = []  # each loader's dataset and arguments
 
-    def add(self, loader: ShardedLoader) -> None:
+    def add(
+        self, loader: ShardedLoader, dataset: object = None, arguments: dict[str, Any] | None = None
+    ) -> None:
         pending = self._pending.pop(len(self.loaders), None)
         if pending is not None:
             loader.load_state_dict(pending)
         self.loaders.append(loader)
+        self._made_from.append((dataset, arguments or {}))
+
+    def made_before(self, dataset: object, arguments: dict[str, Any]) -> ShardedLoader | None:
+        """The loader made from this very dataset object with these arguments, if there is one."""
+        for loader, (made_from, made_with) in zip(self.loaders, self._made_from, strict=True):
+            if made_from is dataset and made_with == arguments:
+                return loader
+        return None
 
     def restore(self, states: list[dict[str, int]]) -> None:
         self._pending = dict(enumerate(states))

@@ -340,14 +340,20 @@ class DeepSpeedBackend(ProcessGroupBackend):
             with contextlib.suppress(Exception):
                 self.ds.destroy()
             self.ds = None
-        if self._owns_group and dist.is_initialized() and "deepspeed" in sys.modules:
+        if self._owns_group and "deepspeed" in sys.modules:
             # Through DeepSpeed, which also drops the groups it cloned from this one: torch's own
             # destroy would leave them cached, and the next engine in this process would fail in
-            # deepspeed.initialize on a group that no longer exists.
+            # deepspeed.initialize on a group that no longer exists. (DeepSpeed's communication
+            # may never have started, when deepspeed.initialize failed: then torch's is enough.)
             import deepspeed.comm
 
-            deepspeed.comm.destroy_process_group()
-            self._owns_group = False
+            if deepspeed.comm.is_initialized():
+                try:
+                    deepspeed.comm.destroy_process_group()
+                except Exception as err:  # torch's destroy below still ends the group
+                    log.debug("deepspeed.comm.destroy_process_group failed: %s", err)
+                else:
+                    self._owns_group = False
         super().teardown()
 
 

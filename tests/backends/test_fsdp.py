@@ -28,14 +28,15 @@ def model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
 
 
-def config(backend: str) -> dict[str, Any]:
+def config(backend: str, stage: int | None = None) -> dict[str, Any]:
+    """``stage``: a ``zero_optimization.stage``; None leaves the section out."""
     return {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
         "gradient_clipping": 0.5,
         "sail": {"backend": backend, "seed": 4, "progress_bar": False},
-    }
+    } | ({} if stage is None else {"zero_optimization": {"stage": stage}})
 
 
 def data() -> TensorDataset:
@@ -45,8 +46,7 @@ def data() -> TensorDataset:
 
 def train(backend: str, checkpoints: str | None = None, stop_at: int | None = None,
           resume: bool = False, stage: int | None = None) -> dict[str, Any] | None:  # fmt: skip
-    cfg = config(backend) | ({} if stage is None else {"zero_optimization": {"stage": stage}})
-    engine, _ = spikingsail.initialize(model=model(), config=cfg, checkpoints_path=checkpoints,
+    engine, _ = spikingsail.initialize(model=model(), config=config(backend, stage), checkpoints_path=checkpoints,
                                        resume=resume)  # fmt: skip
     loader = engine.dataloader(data())
 
@@ -91,10 +91,9 @@ def test_fsdp_resume_is_exact(tmp_path: Path) -> None:
 
 
 def between_forward_and_backward(stage: int | None) -> dict[str, Any]:
-    """Whether a unit's parameter is sharded between its forward and the backward, and the weights
-    after training as the config's ZeRO stage has it."""
-    cfg = config("fsdp") | ({} if stage is None else {"zero_optimization": {"stage": stage}})
-    engine, _ = spikingsail.initialize(model=model(), config=cfg)
+    """Whether a unit's parameter is sharded between its forward and the backward, with the
+    config's ZeRO stage."""
+    engine, _ = spikingsail.initialize(model=model(), config=config("fsdp", stage))
     x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
     loss = F.cross_entropy(engine(x), y)
     sharded = isinstance(engine.module[0].weight, DTensor)

@@ -91,14 +91,12 @@ class LoaderPositions:
         self._pending: dict[int, dict[str, int]] = {}
         self._made_from: list[tuple[object, dict[str, Any]]] = []  # each loader's dataset and arguments
 
-    def add(
-        self, loader: ShardedLoader, dataset: object = None, arguments: dict[str, Any] | None = None
-    ) -> None:
+    def add(self, loader: ShardedLoader, dataset: object, arguments: dict[str, Any]) -> None:
         pending = self._pending.pop(len(self.loaders), None)
         if pending is not None:
             loader.load_state_dict(pending)
         self.loaders.append(loader)
-        self._made_from.append((dataset, arguments or {}))
+        self._made_from.append((dataset, arguments))
 
     def made_before(self, dataset: object, arguments: dict[str, Any]) -> ShardedLoader | None:
         """The loader made from this very dataset object with these arguments, if there is one."""

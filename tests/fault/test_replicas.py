@@ -437,6 +437,24 @@ def test_what_replica_groups_cannot_keep_exact_is_refused(
         check_supported(load_config({"train_micro_batch_size_per_gpu": 1, **config}, 2), backend)
 
 
+def test_synchronised_batch_norm_is_refused_with_replica_groups_and_plain_batch_norm_is_not() -> None:
+    from spikingsail.config.parse import load_config
+    from spikingsail.engine.initialize import synchronised_batch_norm
+    from spikingsail.engine.replicas import check_supported
+    from spikingsail.snn import convert_sync_batchnorm
+
+    plain = {"train_micro_batch_size_per_gpu": 1}
+    cases = [({"snn": {"sync_batchnorm": True}}, torch.nn.BatchNorm1d(4), "snn.sync_batchnorm"),
+             ({}, torch.nn.SyncBatchNorm(4), "the model's SyncBatchNorm layers"),
+             ({}, convert_sync_batchnorm(torch.nn.BatchNorm1d(4)), "the model's SyncBatchNorm layers")]  # fmt: skip
+    for extra, model, which in cases:
+        config = load_config({**plain, **extra}, 2)
+        with pytest.raises(ConfigError, match=rf"(?s)synchronised \({which}\).*stay within a group"):
+            check_supported(config, "ddp", synchronised_batch_norm(config, model))
+    config = load_config(plain, 2)
+    check_supported(config, "ddp", synchronised_batch_norm(config, torch.nn.BatchNorm1d(4)))
+
+
 def test_the_replica_environment_is_read_and_checked() -> None:
     from spikingsail.engine.replicas import ReplicaEnv
 

@@ -25,8 +25,11 @@ torchft's quorum, the cross-group all-reduce and vote, per-group checkpoints).""
 BALANCES = ("off", "3:1")
 """sail.balance: equal micro-batches, or rank 0 taking three quarters of every global micro-batch
 (a resume takes the other split, 1:3, or none on one process)."""
-MODELS = ("mlp", "snn")
-"""The matrix job's MLP, or the same layers as a spiking network: a LIF neuron (spikingjelly, surrogate
+MODELS = ("mlp", "snn", "bn")
+"""The matrix job's MLP; the same layers with batch norm after the hidden layer, synchronised across
+ranks (``snn.sync_batchnorm``: statistics over each global micro-batch, which the one-process reference
+takes as one micro-batch of the same samples; its running statistics are compared too); or the same
+layers as a spiking network: a LIF neuron (spikingjelly, surrogate
 gradient) after the hidden layer, multi-step over ``SNN_TIME_STEPS`` steps of the repeated input,
 trained with ``snn.time_chunk: 2`` (each forward checkpointed in chunks of 2 steps and recomputed chunk
 by chunk in backward; the neuron state reset before every forward). Spiking cells are fp32 only: a
@@ -34,6 +37,9 @@ bf16 rounding that moves a membrane potential across the threshold flips a spike
 tolerance bounds (DeepSpeed's bf16 model, with bf16 weights and potentials, flipped one within 6 steps
 and moved one weight by 0.007, 29% of it); tests/snn/test_chunking.py compares a bf16 spiking run
 (ddp, chunked against whole) on its own."""
+INITS = ("seeded", "per-rank")
+"""Every process builds the model from the same seed, or from its own (the global rank: a script that
+seeds nothing before building its model): the job must start from rank 0's weights everywhere."""
 SNN_TIME_STEPS = 4
 WORLD = 2
 STEPS = 6
@@ -76,14 +82,16 @@ class Cell:
     balance: str = "off"
     topology: str = "ranks"
     model: str = "mlp"
+    init: str = "seeded"
 
     @property
     def id(self) -> str:
         balance = "" if self.balance == "off" else f"-balance{self.balance.replace(':', '')}"
         topology = "" if self.topology == "ranks" else f"-{self.topology}"
         model = "" if self.model == "mlp" else f"-{self.model}"
+        init = "" if self.init == "seeded" else f"-init{self.init}"
         return (f"{self.backend}-{self.precision}-acc{self.accumulation}-{self.scheduler}-{self.interruption}"
-                f"{balance}{topology}{model}")  # fmt: skip
+                f"{balance}{topology}{model}{init}")  # fmt: skip
 
     @classmethod
     def parse(cls, text: str) -> Cell:
@@ -104,6 +112,8 @@ class Cell:
                 return "zero_optimization.stage is 1, and the job runs as replica groups"
             if self.balance != "off":
                 return "sail.balance is set, and the job runs as replica groups"
+            if self.model == "bn":  # torchft all-reduces gradients across groups, not batch statistics
+                return "batch statistics are synchronised (snn.sync_batchnorm), and the job runs as replica groups"
             if self.interruption == "window":
                 return "cannot save inside a gradient accumulation window with replica groups"
         if self.interruption == "window" and self.backend in ("fsdp", "deepspeed-zero2"):
@@ -124,12 +134,18 @@ class Cell:
 
 
 def all_cells() -> list[Cell]:
-    cells = [
-        Cell(*combination)
-        for combination in itertools.product(
-            BACKENDS, PRECISIONS, ACCUMULATIONS, SCHEDULERS, INTERRUPTIONS, BALANCES, TOPOLOGIES, MODELS
-        )
-    ]
+    values = (
+        BACKENDS,
+        PRECISIONS,
+        ACCUMULATIONS,
+        SCHEDULERS,
+        INTERRUPTIONS,
+        BALANCES,
+        TOPOLOGIES,
+        MODELS,
+        INITS,
+    )
+    cells = [Cell(*combination) for combination in itertools.product(*values)]
     # a window to save inside needs an accumulation of more than one micro-step; spiking cells are fp32
     return [
         c for c in cells
@@ -137,7 +153,7 @@ def all_cells() -> list[Cell]:
     ]  # fmt: skip
 
 
-AXES = ("backend", "interruption", "balance", "topology", "model")
+AXES = ("backend", "interruption", "balance", "topology", "model", "init")
 """Every value of these axes is in every sample."""
 
 

@@ -27,6 +27,7 @@ from tests.device_copy import copying_device_moves
 from tests.matrix.cells import SNN_TIME_STEPS, STEPS, STOP_STEP
 
 MICRO = 4
+"""Samples per rank and micro-step in the matrix's 2-rank jobs (``spec["micro"]`` when given)."""
 
 
 def dataset() -> TensorDataset:
@@ -36,7 +37,7 @@ def dataset() -> TensorDataset:
 
 def config(spec: dict[str, Any], accumulation: int, checkpoints: str | None, phase: str) -> dict[str, Any]:
     cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": MICRO,
+        "train_micro_batch_size_per_gpu": spec.get("micro", MICRO),
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": 0.5,
         "zero_optimization": {"stage": spec["stage"]},
@@ -48,9 +49,15 @@ def config(spec: dict[str, Any], accumulation: int, checkpoints: str | None, pha
     if spec["balance"] != "off" and ranks > 1:
         weights = [int(w) for w in spec["balance"].split(":")]
         cfg["sail"]["balance"] = weights[::-1] if checkpoints and phase == "resume" else weights
+    if spec["model"] == "bn":
+        cfg["snn"] = {"sync_batchnorm": True}
     if spec["model"] == "snn":
         chunk = 0 if spec.get("whole_time") else 2  # the reference runs whole
         cfg["snn"] = {"step_mode": "m", "time_steps": SNN_TIME_STEPS, "time_chunk": chunk}
+    if "NUM_REPLICA_GROUPS" in os.environ:
+        # every step needs both groups: a group that starts first would otherwise train a whole 6-step
+        # job alone before the other arrives, and the cell would not test the groups training together
+        cfg["fault_tolerance"] = {"min_replicas": int(os.environ["NUM_REPLICA_GROUPS"])}
     if spec["scheduler"] == "config":
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1,
                                                            "warmup_num_steps": 4, "warmup_type": "linear"}}  # fmt: skip
@@ -60,9 +67,14 @@ def config(spec: dict[str, Any], accumulation: int, checkpoints: str | None, pha
 
 
 def model(kind: str) -> torch.nn.Module:
-    """The MLP, or the same layers with a multi-step LIF neuron in place of the tanh (cells.MODELS)."""
+    """The MLP, with batch norm before the tanh, or with a multi-step LIF neuron in place of the tanh
+    (cells.MODELS)."""
     if kind == "mlp":
         return torch.nn.Sequential(torch.nn.Linear(6, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3))
+    if kind == "bn":
+        return torch.nn.Sequential(
+            torch.nn.Linear(6, 24), torch.nn.BatchNorm1d(24), torch.nn.Tanh(), torch.nn.Linear(24, 3)
+        )
     from spikingjelly.activation_based import functional, layer, neuron, surrogate
 
     net = torch.nn.Sequential(
@@ -92,7 +104,11 @@ def run(
 def _run(
     spec: dict[str, Any], accumulation: int, phase: str, checkpoints: str | None
 ) -> dict[str, Any] | None:
-    torch.manual_seed(0)
+    # "per-rank": each process its own initial weights, the global rank its seed (rank 0's is the reference's)
+    rank = int(os.environ.get("REPLICA_GROUP_ID", "0")) * int(os.environ.get("WORLD_SIZE", "1")) + int(
+        os.environ.get("RANK", "0")
+    )
+    torch.manual_seed(rank if spec.get("init") == "per-rank" else 0)
     net = model(spec["model"])
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     scheduler = None
@@ -109,7 +125,9 @@ def _run(
             "sigkill": STOP_STEP * accumulation + 1, "world": STOP_STEP * accumulation}.get(spec["interruption"])  # fmt: skip
     loader = engine.dataloader(dataset())
     balance = engine.config.sail.balance
-    share = split_batch(MICRO * engine.world_size, list(balance))[engine.rank] if balance != "off" else MICRO
+    micro = engine.config.train_micro_batch_size_per_gpu
+    share = split_batch(micro * engine.world_size, list(balance))[engine.rank] if balance != "off" else micro
+    participants = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))  # the fewest groups in a committed step
     while engine.global_steps < STEPS:
         for x, y in loader:
             if engine.replicas is not None:  # the shares follow the groups taking part in the step
@@ -117,7 +135,10 @@ def _run(
             assert len(x) == share, f"rank {engine.rank} got {len(x)} samples, its share is {share}"
             out = engine(engine.encode(x)).mean(0) if spec["model"] == "snn" else engine(x)
             engine.backward(F.cross_entropy(out.float(), y))
+            steps = engine.global_steps
             engine.step()
+            if engine.replicas is not None and engine.global_steps > steps:  # committed by the groups
+                participants = min(participants, engine.replicas.manager.num_participants())
             if phase == "first" and engine.micro_steps == stop:
                 if spec["interruption"] == "sigkill":
                     os.kill(os.getpid(), signal.SIGKILL)  # the periodic save of step 3 is all there is
@@ -130,8 +151,11 @@ def _run(
                 return {"stopped": engine.global_steps}
             if engine.global_steps == STEPS:
                 break
-    result = {"params": {k: whole(v) for k, v in engine.module.named_parameters()}, "lr": engine.get_lr()[0],
-              "steps": engine.global_steps}  # fmt: skip
+    # the parameters and the floating-point buffers (batch norm's running statistics)
+    buffers = ((k, b) for k, b in engine.module.named_buffers() if b.is_floating_point())
+    tensors = [*engine.module.named_parameters(), *buffers]
+    result = {"params": {k: whole(v) for k, v in tensors}, "lr": engine.get_lr()[0], "steps": engine.global_steps,
+              "participants": participants}  # fmt: skip
     engine.close()
     return result if engine.rank == 0 else None
 

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from tests.matrix.cells import WORLD, Cell
-from tests.matrix.job import run
+from tests.matrix.job import MICRO, run
 from tests.multiprocess import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,16 +22,25 @@ _references: dict[tuple[str, int, str, str], dict[str, Any]] = {}
 
 
 def reference(cell: Cell) -> dict[str, Any]:
-    """One process, plain DDP backend, the same global batch (each micro-batch the size of a rank's);
-    a spiking model runs its whole T steps in one piece there, without time chunks."""
+    """One process, plain DDP backend, the same global batch (see ``one_process``); a spiking model
+    runs its whole T steps in one piece there, without time chunks."""
     key = (cell.precision, cell.accumulation, cell.scheduler, cell.model)
     if key not in _references:
         plain = Cell("ddp", cell.precision, cell.accumulation, cell.scheduler, "none", model=cell.model)
-        spec = {**plain.spec(), "whole_time": True}
-        result = run_ranks(run, 1, spec, cell.accumulation * WORLD, "straight", None)[0]
+        spec, accumulation = one_process(plain)
+        result = run_ranks(run, 1, {**spec, "whole_time": True}, accumulation, "straight", None)[0]
         assert result is not None and "params" in result, result
         _references[key] = result
     return _references[key]
+
+
+def one_process(cell: Cell) -> tuple[dict[str, Any], int]:
+    """The spec and accumulation that give one process the cell's global batch: micro-batches the
+    size of a rank's and twice the accumulation; for synchronised batch norm, micro-batches of the
+    whole global micro-batch (its statistics span one) and the same accumulation."""
+    if cell.model == "bn":
+        return {**cell.spec(), "micro": MICRO * WORLD}, cell.accumulation
+    return cell.spec(), cell.accumulation * WORLD
 
 
 def run_cell(cell: Cell) -> dict[str, Any]:
@@ -52,7 +61,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         if "refused" in first:
             return first
         if cell.interruption == "world":  # resume on one process: the same train_batch_size
-            return _rank0(run_ranks(run, 1, spec, cell.accumulation * WORLD, "resume", checkpoints))
+            return _rank0(run_ranks(run, 1, *one_process(cell), "resume", checkpoints))
         return _rank0(run_ranks(run, WORLD, spec, cell.accumulation, "resume", checkpoints))
 
 
@@ -94,7 +103,7 @@ def _run_replica_cell(cell: Cell, spec: dict[str, Any]) -> dict[str, Any]:
         if "refused" in first:
             return first
         if cell.interruption == "world":
-            return _rank0(run_ranks(run, 1, spec, cell.accumulation * WORLD, "resume", checkpoints))
+            return _rank0(run_ranks(run, 1, *one_process(cell), "resume", checkpoints))
         return _groups(spec_file, cell, "resume", checkpoints, Path(tmp) / "resume")
 
 
@@ -117,6 +126,7 @@ def _groups(spec_file: Path, cell: Cell, phase: str, checkpoints: str, out: Path
     first, *others = results
     for other in others:  # every group holds the same weights, bit for bit
         if "params" in first:
+            assert first["participants"] == other["participants"] == WORLD, (cell.id, phase, "groups apart")
             assert all(torch.equal(first["params"][k], other["params"][k]) for k in first["params"]), cell.id
         else:
             assert sorted(other) == sorted(first), (first, other)

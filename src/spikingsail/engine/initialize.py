@@ -33,6 +33,7 @@ from spikingsail.engine.replicas import (
 from spikingsail.environments import RankInfo, discover_rank_info
 from spikingsail.errors import ConfigError
 from spikingsail.monitor.logs import ensure_logging, report_sail_errors
+from spikingsail.snn.syncbn import MultiStepSyncBatchNorm
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ def initialize(
     _check_offload(sail_config, backend_cls)
     _check_balance(sail_config, backend_cls, model)
     if replicas is not None:  # before the backend starts (DeepSpeed's own batch checks would speak first)
-        check_supported(sail_config, backend_cls.name)
+        check_supported(sail_config, backend_cls.name, synchronised_batch_norm(sail_config, model))
     engine = Engine(
         model=model,
         config=sail_config,
@@ -262,6 +263,16 @@ def _check_zero_stage(config: SailConfig, backend: str, max_stage: int) -> None:
         )
 
 
+def synchronised_batch_norm(config: SailConfig, model: torch.nn.Module | None) -> str | None:
+    """What synchronises batch-norm statistics across ranks in this job, in words, or None."""
+    if config.snn.sync_batchnorm:
+        return "snn.sync_batchnorm"
+    layers = (torch.nn.SyncBatchNorm, MultiStepSyncBatchNorm)
+    if model is not None and any(isinstance(m, layers) for m in model.modules()):
+        return "the model's SyncBatchNorm layers"
+    return None
+
+
 def _check_balance(config: SailConfig, backend: type[Backend], model: torch.nn.Module | None = None) -> None:
     weights = "give the weights yourself (a list per rank, or a map per host: the GPUs' relative speeds)"
     if config.sail.balance == "auto" and backend.balances and not backend.measures_balance:
@@ -270,11 +281,8 @@ def _check_balance(config: SailConfig, backend: type[Backend], model: torch.nn.M
             f"{backend.name}'s ranks wait for each other inside forward and backward, which hides a slow rank",
             weights,
         )
-    synchronised = config.snn.sync_batchnorm or (
-        model is not None and any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
-    )
-    if config.sail.balance == "auto" and synchronised:
-        which = "snn.sync_batchnorm" if config.snn.sync_batchnorm else "the model's SyncBatchNorm layers"
+    which = synchronised_batch_norm(config, model)
+    if config.sail.balance == "auto" and which:
         raise ConfigError(
             f"{config.source}: sail.balance is 'auto' together with {which}",
             "synchronised batch norm makes the ranks wait for each other inside forward and backward, "

@@ -144,8 +144,9 @@ the model over its ranks; rank r of every group holds the same shards, and torch
 those across the groups, as HSDP's replicate dimension does)."""
 
 
-def check_supported(config: SailConfig, backend: str) -> None:
-    """Refuse, before anything starts, what live recovery cannot yet keep exact."""
+def check_supported(config: SailConfig, backend: str, sync_batch_norm: str | None = None) -> None:
+    """Refuse, before anything starts, what live recovery cannot yet keep exact. ``sync_batch_norm``:
+    what synchronises batch-norm statistics in this job, if anything."""
     where = config.source
     refusals = [
         (backend not in REPLICATED_BACKENDS, f"sail.backend is {backend!r}",
@@ -161,6 +162,10 @@ def check_supported(config: SailConfig, backend: str) -> None:
         (config.sail.balance != "off", "sail.balance is set",
          "with --ft-replicas the shares of a step follow the groups taking part in it",
          "turn sail.balance off"),
+        (sync_batch_norm is not None, f"batch statistics are synchronised ({sync_batch_norm})",
+         "torchft sums gradients across the groups, but batch statistics stay within a group, so each "
+         "group would normalise over its own share of the batch, not over the whole global batch",
+         "use plain batch norm (per-rank statistics, as DDP has them), or launch without --ft-replicas"),
     ]  # fmt: skip
     for refused, what, why, fix in refusals:
         if refused:

@@ -280,3 +280,31 @@ def test_ranks_that_built_different_weights_start_from_rank_0s_as_under_ddp() ->
     for rank in (0, 1):
         for key, value in ddp[rank].items():
             torch.testing.assert_close(fsdp[rank][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def tied(backend: str) -> dict[str, Any]:
+    """A model whose middle layers share one weight (tied weights, as an embedding and an output layer
+    share theirs): whether the tie survives sharding, and the whole model after 6 micro-steps."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                              torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))  # fmt: skip
+    net[4].weight = net[2].weight
+    engine, _ = spikingsail.initialize(model=net, config=config(backend))
+    loader = engine.dataloader(data())
+    train_micro_steps(
+        engine, loader, 6, lambda x, y: (engine.backward(F.cross_entropy(engine(x), y)), engine.step())
+    )
+    full = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True))
+    result = {"still_tied": engine.module[4].weight is engine.module[2].weight,
+              "params": {k: v.clone() for k, v in full.items()}}  # fmt: skip
+    engine.close()
+    return result
+
+
+def test_tied_weights_stay_tied_and_train_as_under_ddp() -> None:
+    # fully_shard refuses a parameter in two units; the children that share one stay in the root's
+    ddp, fsdp = run_ranks(tied, 2, "ddp"), run_ranks(tied, 2, "fsdp")
+    for rank in (0, 1):
+        assert fsdp[rank]["still_tied"] and ddp[rank]["still_tied"]
+        for key, value in ddp[rank]["params"].items():
+            torch.testing.assert_close(fsdp[rank]["params"][key], value, rtol=1e-5, atol=1e-6, msg=key)

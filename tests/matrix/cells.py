@@ -25,10 +25,12 @@ torchft's quorum, the cross-group all-reduce and vote, per-group checkpoints).""
 BALANCES = ("off", "3:1")
 """sail.balance: equal micro-batches, or rank 0 taking three quarters of every global micro-batch
 (a resume takes the other split, 1:3, or none on one process)."""
-MODELS = ("mlp", "snn", "bn")
+MODELS = ("mlp", "snn", "bn", "tied")
 """The matrix job's MLP; the same layers with batch norm after the hidden layer, synchronised across
 ranks (``snn.sync_batchnorm``: statistics over each global micro-batch, which the one-process reference
-takes as one micro-batch of the same samples; its running statistics are compared too); or the same
+takes as one micro-batch of the same samples; its running statistics are compared too); the MLP with
+two more hidden layers that share one weight (tied weights, as an embedding and an output layer share
+theirs); or the same
 layers as a spiking network: a LIF neuron (spikingjelly, surrogate
 gradient) after the hidden layer, multi-step over ``SNN_TIME_STEPS`` steps of the repeated input,
 trained with ``snn.time_chunk: 2`` (each forward checkpointed in chunks of 2 steps and recomputed chunk

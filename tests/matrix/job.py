@@ -67,10 +67,14 @@ def config(spec: dict[str, Any], accumulation: int, checkpoints: str | None, pha
 
 
 def model(kind: str) -> torch.nn.Module:
-    """The MLP, with batch norm before the tanh, or with a multi-step LIF neuron in place of the tanh
-    (cells.MODELS)."""
+    """The MLP, with batch norm before the tanh, with two more hidden layers of one shared weight, or
+    with a multi-step LIF neuron in place of the tanh (cells.MODELS)."""
     if kind == "mlp":
         return torch.nn.Sequential(torch.nn.Linear(6, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3))
+    if kind == "tied":
+        hidden = [torch.nn.Linear(24, 24), torch.nn.Tanh(), torch.nn.Linear(24, 24), torch.nn.Tanh()]
+        hidden[2].weight = hidden[0].weight
+        return torch.nn.Sequential(torch.nn.Linear(6, 24), torch.nn.Tanh(), *hidden, torch.nn.Linear(24, 3))
     if kind == "bn":
         return torch.nn.Sequential(
             torch.nn.Linear(6, 24), torch.nn.BatchNorm1d(24), torch.nn.Tanh(), torch.nn.Linear(24, 3)

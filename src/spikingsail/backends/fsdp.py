@@ -66,9 +66,8 @@ class FSDPBackend(ProcessGroupBackend):
         # gathers them again for backward; stages 1 and 2 keep them from forward to backward, as
         # DeepSpeed's stages do (FSDP2 has no mode that leaves parameters unsharded at rest).
         reshard = self.config.zero_optimization.stage not in (1, 2)
-        for child in model.children():
-            if any(True for _ in child.parameters()):
-                fully_shard(child, mp_policy=policy, reshard_after_forward=reshard)
+        for child in _own_units(model):
+            fully_shard(child, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
         assert isinstance(model, FSDPModule)
         self.root = model
@@ -112,6 +111,23 @@ class FSDPBackend(ProcessGroupBackend):
         super().teardown()
         if isinstance(root, torch.nn.Module) and owned:
             _release_process_group(root)
+
+
+def _own_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The children that get an FSDP unit of their own: those with parameters that no other child,
+    and not the model itself, holds too. A parameter may belong to one unit only, so children that
+    share one (tied weights: an embedding and an output layer) stay in the model's own unit."""
+    holders: dict[int, set[int]] = {id(p): {-1} for p in model.parameters(recurse=False)}
+    children = list(model.children())
+    for index, child in enumerate(children):
+        for parameter in child.parameters():
+            holders.setdefault(id(parameter), set()).add(index)
+    shared = {index for owners in holders.values() if len(owners) > 1 for index in owners}
+    return [
+        child
+        for index, child in enumerate(children)
+        if index not in shared and any(True for _ in child.parameters())
+    ]
 
 
 def _release_process_group(root: torch.nn.Module) -> None:

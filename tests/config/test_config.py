@@ -304,6 +304,8 @@ def test_weights_are_accepted_where_gradients_are_averaged(backend: str) -> None
 def test_auto_with_synchronised_batch_norm_is_refused_and_weights_are_not() -> None:
     import torch
 
+    from spikingsail.snn import convert_sync_batchnorm
+
     synced = {**MICRO, "snn": {"sync_batchnorm": True}, "sail": {"balance": "auto"}}
     with pytest.raises(
         ConfigError, match=r"'auto' together with snn\.sync_batchnorm(.|\n)*hides a slow rank"
@@ -313,5 +315,8 @@ def test_auto_with_synchronised_batch_norm_is_refused_and_weights_are_not() -> N
     auto = load_config({**MICRO, "sail": {"balance": "auto"}}, 2)
     with pytest.raises(ConfigError, match="together with the model's SyncBatchNorm layers"):
         _check_balance(auto, backend_class("ddp"), model)
+    ours = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(4)))  # spikingsail.snn's own
+    with pytest.raises(ConfigError, match="together with the model's SyncBatchNorm layers"):
+        _check_balance(auto, backend_class("ddp"), ours)
     weights = load_config({**synced, "sail": {"balance": [3, 1]}}, 2)
     _check_balance(weights, backend_class("ddp"), model)

@@ -262,14 +262,19 @@ def from_unseeded_model(backend: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(100 + int(os.environ["RANK"]))
     net = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
     engine, _ = spikingsail.initialize(model=net, config=config(backend))
+    state = after_six_micro_steps(engine)
+    engine.close()
+    return state
+
+
+def after_six_micro_steps(engine: Any) -> dict[str, torch.Tensor]:
+    """The whole model after 6 micro-steps on ``data()``."""
     loader = engine.dataloader(data())
     train_micro_steps(
         engine, loader, 6, lambda x, y: (engine.backward(F.cross_entropy(engine(x), y)), engine.step())
     )
     full = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True))
-    state = {k: v.clone() for k, v in full.items()}
-    engine.close()
-    return state
+    return {k: v.clone() for k, v in full.items()}
 
 
 def test_ranks_that_built_different_weights_start_from_rank_0s_as_under_ddp() -> None:
@@ -290,13 +295,10 @@ def tied(backend: str) -> dict[str, Any]:
                               torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))  # fmt: skip
     net[4].weight = net[2].weight
     engine, _ = spikingsail.initialize(model=net, config=config(backend))
-    loader = engine.dataloader(data())
-    train_micro_steps(
-        engine, loader, 6, lambda x, y: (engine.backward(F.cross_entropy(engine(x), y)), engine.step())
-    )
-    full = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True))
-    result = {"still_tied": engine.module[4].weight is engine.module[2].weight,
-              "params": {k: v.clone() for k, v in full.items()}}  # fmt: skip
+    result = {
+        "params": after_six_micro_steps(engine),
+        "still_tied": engine.module[4].weight is engine.module[2].weight,
+    }
     engine.close()
     return result
 

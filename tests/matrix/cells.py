@@ -30,9 +30,8 @@ MODELS = ("mlp", "snn", "bn", "tied")
 ranks (``snn.sync_batchnorm``: statistics over each global micro-batch, which the one-process reference
 takes as one micro-batch of the same samples; its running statistics are compared too); the MLP with
 two more hidden layers that share one weight (tied weights, as an embedding and an output layer share
-theirs); or the same
-layers as a spiking network: a LIF neuron (spikingjelly, surrogate
-gradient) after the hidden layer, multi-step over ``SNN_TIME_STEPS`` steps of the repeated input,
+theirs); or the same layers as a spiking network: a LIF neuron (spikingjelly, surrogate gradient)
+after the hidden layer, multi-step over ``SNN_TIME_STEPS`` steps of the repeated input,
 trained with ``snn.time_chunk: 2`` (each forward checkpointed in chunks of 2 steps and recomputed chunk
 by chunk in backward; the neuron state reset before every forward). Spiking cells are fp32 only: a
 bf16 rounding that moves a membrane potential across the threshold flips a spike, which no elementwise

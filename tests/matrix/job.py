@@ -109,9 +109,8 @@ def _run(
     spec: dict[str, Any], accumulation: int, phase: str, checkpoints: str | None
 ) -> dict[str, Any] | None:
     # "per-rank": each process its own initial weights, the global rank its seed (rank 0's is the reference's)
-    rank = int(os.environ.get("REPLICA_GROUP_ID", "0")) * int(os.environ.get("WORLD_SIZE", "1")) + int(
-        os.environ.get("RANK", "0")
-    )
+    group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
+    rank = group * int(os.environ.get("WORLD_SIZE", "1")) + int(os.environ.get("RANK", "0"))
     torch.manual_seed(rank if spec.get("init") == "per-rank" else 0)
     net = model(spec["model"])
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)

@@ -55,9 +55,23 @@ check "main job, ddp + ZeRO-1" "$accuracy" \
   "${sail[@]}" launch -n "$nproc" examples/train_digits.py --sail-config "$(config ddp '{"zero_optimization": {"stage": 1}}')"
 check "main job, fsdp" "$accuracy" \
   "${sail[@]}" launch -n "$nproc" examples/train_digits.py --sail-config "$(config fsdp '{}')"
+zero2=$(config deepspeed "$("$python" -c 'import torch; print("{\"zero_optimization\": {\"stage\": 2}, \"" + ("bf16" if torch.cuda.get_device_capability(0)[0] >= 8 else "fp16") + "\": {\"enabled\": true}}")')")
+# DeepSpeed reads TORCH_CUDA_ARCH_LIST entries as MAJOR.MINOR[+PTX] only; where the environment has
+# one of torch's other forms ("9.0a", as some CUDA images set), the job must refuse, saying so, and
+# train with the readable form.
+ds_env=(env)
+if readable=$("$python" -c '
+import os, sys
+from spikingsail.backends.deepspeed import readable_cuda_archs, unreadable_cuda_archs
+archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
+print(readable_cuda_archs(archs or ""))
+sys.exit(0 if unreadable_cuda_archs(archs) else 1)'); then
+  check "deepspeed refuses TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST" "cannot build its fused_adam op for TORCH_CUDA_ARCH_LIST" \
+    bash -c "! ${sail[*]} launch -n $nproc examples/train_digits.py --sail-config $zero2"
+  if [ -n "$readable" ]; then ds_env=(env "TORCH_CUDA_ARCH_LIST=$readable"); else ds_env=(env -u TORCH_CUDA_ARCH_LIST); fi
+fi
 check "main job, deepspeed ZeRO-2 (bf16 or fp16)" "$accuracy" \
-  "${sail[@]}" launch -n "$nproc" examples/train_digits.py --sail-config "$(config deepspeed \
-  "$("$python" -c 'import torch; print("{\"zero_optimization\": {\"stage\": 2}, \"" + ("bf16" if torch.cuda.get_device_capability(0)[0] >= 8 else "fp16") + "\": {\"enabled\": true}}")')")"
+  "${ds_env[@]}" "${sail[@]}" launch -n "$nproc" examples/train_digits.py --sail-config "$zero2"
 if "$python" -c 'import horovod.torch' 2>/dev/null; then
   check "main job, horovod" "$accuracy" \
     "${sail[@]}" launch -n "$nproc" examples/train_digits.py --sail-config "$(config horovod '{}')"

@@ -47,13 +47,19 @@ fi
 # first step of a job, on every node; SAIL_DEEPSPEED_CUDA_OPS=1 builds its CUDA ops into the
 # installed DeepSpeed once instead (needs the CUDA toolkit of torch's CUDA here; `sail doctor` says).
 if [ "${1:-}" = "--backends" ] && [ "${SAIL_DEEPSPEED_CUDA_OPS:-0}" = 1 ] && [ ! -f "$venv/.deepspeed-cuda-ops" ]; then
-  if ! "$venv/bin/python" -c '
-import sys, torch
+  if ! PYTHONPATH="$root/src" "$venv/bin/python" -c '
+import os, sys, torch
 from torch.utils.cpp_extension import CUDA_HOME
 if not torch.version.cuda or CUDA_HOME is None:
     sys.exit(f"[setup] SAIL_DEEPSPEED_CUDA_OPS=1: cannot build DeepSpeed'"'"'s CUDA ops here: "
              + ("this torch is a CPU build" if not torch.version.cuda else
                 f"no CUDA toolkit (nvcc) found; install CUDA {torch.version.cuda} and set CUDA_HOME"))
+from spikingsail.backends.deepspeed import readable_cuda_archs, unreadable_cuda_archs
+archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
+if unreadable_cuda_archs(archs):
+    sys.exit(f"[setup] SAIL_DEEPSPEED_CUDA_OPS=1: DeepSpeed cannot build for TORCH_CUDA_ARCH_LIST={archs!r} "
+             f"(it reads MAJOR.MINOR[+PTX] entries only): run it again with "
+             f"TORCH_CUDA_ARCH_LIST=\"{readable_cuda_archs(archs)}\", or with TORCH_CUDA_ARCH_LIST unset")
 '; then
     exit 1
   fi

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -304,3 +305,74 @@ def test_torch_adam_without_weight_decay_decays_by_0_on_deepspeed_as_elsewhere()
     assert lines == [
         f"decay {backend} {kind} AdamW 0.0" for backend in ("deepspeed", "ddp") for kind in ("Adam", "AdamW")
     ]
+
+
+OP_BUILD = """
+import torch, spikingsail
+from spikingsail.environments import RankInfo
+net = torch.nn.Linear(6, 3)
+spikingsail.initialize(model=net, rank_info=RankInfo.single(), config={
+    "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    "sail": {"backend": "deepspeed", "progress_bar": False}})
+"""
+
+
+def test_an_op_deepspeed_cannot_compile_is_named_with_the_node_as_the_cause(tmp_path: Path) -> None:
+    # a fresh extension cache and a C++ compiler that fails: DeepSpeed's first op build on this node
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/bin/false", "DS_ACCELERATOR": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-c", OP_BUILD], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert result.returncode == 1
+    assert re.search(
+        r"<dict>: DeepSpeed could not build its \w+ op on this node\n.*why: CalledProcessError: "
+        r"Command '\['/bin/false', '--version'\]'.*\n.*fix: `sail doctor` says whether this node can compile",
+        result.stderr,
+    ), result.stderr[-3000:]
+    assert "refused the model, optimizer or config" not in result.stderr
+
+
+@pytest.mark.parametrize("arch_list", ["9.0", "8.0+PTX", "8.6;9.0", "9.0 8.0+PTX", "10.0"])
+def test_arch_lists_deepspeed_reads_are_not_called_unreadable(
+    monkeypatch: pytest.MonkeyPatch, arch_list: str
+) -> None:
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder  # the CUDA builder, on any machine
+
+    from spikingsail.backends.deepspeed import unreadable_cuda_archs
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
+    assert FusedAdamBuilder().compute_capability_args()  # DeepSpeed's own reading
+    assert unreadable_cuda_archs(arch_list) == []
+
+
+@pytest.mark.parametrize(
+    ("arch_list", "unreadable", "fix"),
+    [
+        ("9.0a", "'9.0a'", 'TORCH_CUDA_ARCH_LIST="9.0"'),
+        ("8.0;9.0a+PTX;10.0f", "'9.0a+PTX', '10.0f'", 'TORCH_CUDA_ARCH_LIST="8.0;9.0;10.0"'),
+        ("9.0+PTX;9.0a", "'9.0a'", 'TORCH_CUDA_ARCH_LIST="9.0+PTX"'),
+        ("Hopper", "'Hopper'", "TORCH_CUDA_ARCH_LIST unset"),
+    ],
+)
+def test_arch_lists_deepspeed_cannot_read_stop_with_the_entries_and_a_list_it_reads(
+    monkeypatch: pytest.MonkeyPatch, arch_list: str, unreadable: str, fix: str
+) -> None:
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    from spikingsail.backends.deepspeed import initialize_error, readable_cuda_archs
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
+    with pytest.raises(ValueError, match="invalid literal for int") as raised:
+        FusedAdamBuilder().compute_capability_args()  # what deepspeed.initialize meets on a GPU node
+    message = str(initialize_error("ds.json", raised.value, torch.device("cuda", 0)))
+    assert message.startswith(
+        f"ds.json: DeepSpeed cannot build its fused_adam op for TORCH_CUDA_ARCH_LIST={arch_list!r}\n"
+    )
+    assert f"cannot read {unreadable}, a form only torch accepts (ValueError: invalid literal" in message
+    assert f"fix: start the job with {fix} " in message and '"torch_adam": true' in message
+    # the list offered is one DeepSpeed reads
+    readable = readable_cuda_archs(arch_list)
+    if readable:
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", readable)
+        assert FusedAdamBuilder().compute_capability_args()

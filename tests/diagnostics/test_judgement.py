@@ -154,6 +154,23 @@ def test_an_nvcc_of_another_cuda_is_named(cpu_facts: dict[str, Any]) -> None:
     assert status is Status.WARN and "Installed CUDA version 11.8 does not match" in detail
 
 
+def test_an_arch_list_deepspeed_cannot_read_fails_even_with_fused_adam_compiled(
+    cpu_facts: dict[str, Any],
+) -> None:
+    facts = deepspeed_on_gpus(cpu_facts, NVCC)
+    facts["env"]["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0a"
+    facts["extensions"]["entries"] = [{"path": "/cache/fused_adam", "name": "fused_adam", "tag": None,
+                                       "torch_include": None, "cuda": True, "built": None, "load_errors": {},
+                                       "libraries": ["/cache/fused_adam/fused_adam.so"]}]  # fmt: skip
+    ((status, detail, fix),) = judge(facts, "deepspeed cuda ops")
+    assert status is Status.FAIL
+    assert "DeepSpeed can neither compile nor load it with TORCH_CUDA_ARCH_LIST='8.0;9.0a'" in detail
+    assert fix == 'start jobs with TORCH_CUDA_ARCH_LIST="8.0;9.0"'
+
+    next(op for op in facts["deepspeed"]["ops"] if op["name"] == "fused_adam")["installed"] = True
+    assert judge(facts, "deepspeed cuda ops")[0][0] is Status.OK  # prebuilt: nothing is built or read
+
+
 def test_fused_adam_compiled_at_first_use_prebuilt_or_cached(cpu_facts: dict[str, Any]) -> None:
     facts = deepspeed_on_gpus(cpu_facts, NVCC)
     ((status, detail, _),) = judge(facts, "deepspeed cuda ops")

@@ -39,6 +39,7 @@ def digits_config(directory: Path, **changes: Any) -> str:
     settings["sail"]["deterministic"] = True
     for key, value in changes.items():
         settings[key] = {**settings.get(key, {}), **value} if isinstance(value, dict) else value
+    directory.mkdir(parents=True, exist_ok=True)
     path = directory / "digits.json"
     path.write_text(json.dumps(settings))
     return str(path)
@@ -119,7 +120,6 @@ def _train(
 
 def test_a_save_inside_an_accumulation_window_resumes_exactly_on_the_gpu(tmp_path: Path) -> None:
     reference = _train(tmp_path / "a", 7)
-    (tmp_path / "b").mkdir()
     _train(tmp_path / "b", 7, save_after=3)  # inside the second window: CUDA gradients saved
     resumed = _train(tmp_path / "b", 7, resume=True)
     for key, value in reference.items():

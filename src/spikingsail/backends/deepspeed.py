@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,6 +47,28 @@ INSTALL_HINT = "DS_BUILD_OPS=0 pip install 'deepspeed==0.19.8'  (or: pip install
 STATE_TAG = "deepspeed"
 """The tag of DeepSpeed's checkpoint inside a SpikingSail checkpoint's ``state/`` directory."""
 _NEVER = 2**62  # DeepSpeed's own step log is replaced by SpikingSail's monitor
+_ARCH_ENTRY = re.compile(r"(\d+\.\d+)(\+PTX)?")
+"""A ``TORCH_CUDA_ARCH_LIST`` entry as DeepSpeed's op builder reads it: MAJOR.MINOR[+PTX]."""
+
+
+def unreadable_cuda_archs(arch_list: str | None) -> list[str]:
+    """The entries of ``TORCH_CUDA_ARCH_LIST`` that DeepSpeed's op builder cannot read.
+
+    torch also takes arch-specific and named entries ("9.0a", "10.0f", "Hopper"); DeepSpeed reads
+    each entry as MAJOR.MINOR[+PTX] and stops with ``ValueError: invalid literal for int()`` before
+    building any CUDA op (FusedAdam, CPU Adam on a GPU node) for them."""
+    entries = (arch_list or "").replace(";", " ").split()
+    return [entry for entry in entries if not _ARCH_ENTRY.fullmatch(entry)]
+
+
+def readable_cuda_archs(arch_list: str) -> str:
+    """The entries DeepSpeed can read, each unreadable "9.0a" as its plain "9.0" ("" if none)."""
+    readable: list[str] = []
+    for entry in arch_list.replace(";", " ").split():
+        plain = re.match(r"\d+\.\d+", entry)
+        if plain and plain.group() not in readable and f"{plain.group()}+PTX" not in readable:
+            readable.append(entry if _ARCH_ENTRY.fullmatch(entry) else plain.group())
+    return ";".join(readable)
 
 
 def import_deepspeed(where: str) -> Any:
@@ -157,12 +180,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
                     dist_init_required=False,
                 )
         except Exception as err:  # DeepSpeed reports config problems as several exception types
-            raise BackendError(
-                f"{config.source}: deepspeed.initialize refused the model, optimizer or config",
-                _describe(err),
-                "fix the config key or argument named above (DeepSpeed's config reference: "
-                "https://www.deepspeed.ai/docs/config-json/)",
-            ) from err
+            raise initialize_error(config.source, err, self.device) from err
         engine.checkpoint_engine = _safe_checkpoint_engine(engine)
         self.ds = engine
         log.info(
@@ -369,6 +387,58 @@ def _local_rank_in_environment(local_rank: int) -> Iterator[None]:
         yield
     finally:
         os.environ.pop("LOCAL_RANK", None)
+
+
+def initialize_error(source: str, err: BaseException, device: torch.device) -> BackendError:
+    """What ``deepspeed.initialize`` raising ``err`` means: an op it could not build (a compiler
+    or ``TORCH_CUDA_ARCH_LIST`` problem of the node), else a model, optimizer or config it refused."""
+    op = _op_being_built(err)
+    if op is None:
+        return BackendError(
+            f"{source}: deepspeed.initialize refused the model, optimizer or config",
+            _describe(err),
+            "fix the config key or argument named above (DeepSpeed's config reference: "
+            "https://www.deepspeed.ai/docs/config-json/)",
+        )
+    avoid = ""
+    if op in ("fused_adam", "cpu_adam"):
+        avoid = (
+            '; or avoid the op: "optimizer": {"params": {"torch_adam": true}} in the config is torch\'s AdamW'
+        )
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    unreadable = unreadable_cuda_archs(arch_list)
+    if device.type == "cuda" and arch_list and unreadable:
+        readable = readable_cuda_archs(arch_list)
+        setting = f'TORCH_CUDA_ARCH_LIST="{readable}"' if readable else "TORCH_CUDA_ARCH_LIST unset"
+        return BackendError(
+            f"{source}: DeepSpeed cannot build its {op} op for TORCH_CUDA_ARCH_LIST={arch_list!r}",
+            f"its op builder reads each entry as MAJOR.MINOR[+PTX] and cannot read "
+            f"{', '.join(map(repr, unreadable))}, a form only torch accepts ({_describe(err)})",
+            f"start the job with {setting} (unset, DeepSpeed builds for the GPUs it sees){avoid}",
+        )
+    return BackendError(
+        f"{source}: DeepSpeed could not build its {op} op on this node",
+        _describe(err),
+        "`sail doctor` says whether this node can compile DeepSpeed's ops (a C++ compiler; nvcc and "
+        "CUDA_HOME on a GPU node); on a GPU node, FusedAdam and CPU Adam can be pre-built once: "
+        f"SAIL_DEEPSPEED_CUDA_OPS=1 bash scripts/setup.sh --backends{avoid}",
+    )
+
+
+def _op_being_built(err: BaseException) -> str | None:
+    """The name of the DeepSpeed op whose builder ``err`` (or an exception it chains) came from."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        tb = current.__traceback__
+        while tb is not None:
+            if f"{os.sep}op_builder{os.sep}" in tb.tb_frame.f_code.co_filename:
+                builder = tb.tb_frame.f_locals.get("self")
+                return str(getattr(builder, "name", None) or Path(tb.tb_frame.f_code.co_filename).stem)
+            tb = tb.tb_next
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _describe(err: BaseException) -> str:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from spikingsail.backends.deepspeed import readable_cuda_archs, unreadable_cuda_archs
 from spikingsail.diagnostics.findings import Finding, Report, fail, ok, warn
 
 Facts = dict[str, Any]
@@ -263,6 +264,14 @@ def _deepspeed_cuda_ops(facts: Facts, host: str) -> list[Finding]:
     check = "deepspeed cuda ops"
     if any(op["name"] == "fused_adam" and op["installed"] for op in ds["ops"]):
         return [ok(check, "FusedAdam is prebuilt into DeepSpeed", host)]
+    archs = facts["env"].get("TORCH_CUDA_ARCH_LIST")
+    if unreadable_cuda_archs(archs):  # read before a compiled FusedAdam is loaded, too
+        readable = readable_cuda_archs(archs or "")
+        setting = f'TORCH_CUDA_ARCH_LIST="{readable}"' if readable else "TORCH_CUDA_ARCH_LIST unset"
+        return [fail(check, f"FusedAdam is not prebuilt, and DeepSpeed can neither compile nor load it with "
+                     f"TORCH_CUDA_ARCH_LIST={archs!r} (it reads MAJOR.MINOR[+PTX] entries only): a deepspeed "
+                     "job whose config has an Adam or AdamW optimizer stops at its start",
+                     f"start jobs with {setting}", host)]  # fmt: skip
     cached = [
         e
         for e in facts["extensions"]["entries"]

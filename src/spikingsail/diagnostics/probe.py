@@ -38,7 +38,7 @@ from typing import Any
 MARKER = "SAIL_PROBE "
 PACKAGES = ("spikingsail", "torch", "numpy", "deepspeed", "horovod", "mpi4py", "spikingjelly")
 ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TORCH_EXTENSIONS_DIR",
-            "LD_LIBRARY_PATH", "LD_PRELOAD", "DS_ACCELERATOR")  # fmt: skip
+            "LD_LIBRARY_PATH", "LD_PRELOAD", "DS_ACCELERATOR", "TORCH_CUDA_ARCH_LIST")  # fmt: skip
 _TAG = re.compile(r"^py\d+\w*_(cpu|cu\d+|rocm\d+)$")
 Facts = dict[str, Any]
 

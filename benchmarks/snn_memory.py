@@ -4,6 +4,7 @@
     python benchmarks/snn_memory.py --models sew --chunk 2 --steps 3
     python benchmarks/snn_memory.py --models sew --size 64 --batch 16 --time-steps 4 16
     python benchmarks/snn_memory.py --models sew --batch 32 --memopt   # spikingjelly's memopt instead
+    python benchmarks/snn_memory.py --overhead         # the host work a chunk adds, SEW-ResNet at T=32
 
 Each measurement runs in a fresh process: the model, one batch and the engine (one process, the
 config's ``snn.time_chunk``) are built, the peak counter is reset, and one training step (forward,
@@ -19,6 +20,12 @@ the whole and the chunked engine are built side by side, each takes a warm-up st
 ratios the target is stated in: chunked peak at T over chunked peak at T=4 and over the whole
 (unchunked) peak at T=4, and chunked time over whole time. Then runs ``time_chunk: "auto"`` with a
 budget and prints the chunk it chose.
+
+``--overhead`` times the host (Python) work a chunk adds besides its kernels, which is what a small
+batch on a GPU waits on: the explicit-state forward of the chunk (the neuron state swapped in and
+out around the model's call), once in the forward and once in the recompute, through spikingjelly's
+``base.to_functional_forward`` (the baseline) and through the chunking's own, both around a model
+call that does nothing; and holding the batch norms' running statistics for a recompute.
 
 The models: the example SNN (``examples/snn_digits.py``'s spiking CNN, batch norm per chunk, since
 its multi-step batch norm spans T × N) at 32×32 inputs, and spikingjelly's SEW-ResNet-18 (IF neurons,
@@ -225,6 +232,47 @@ def run_one(
     return [peak | {"seconds": s} for peak, s in zip(peaks, seconds, strict=True)]
 
 
+def host_overhead(time_steps: int, repeats: int = 200) -> None:
+    """Milliseconds of host work per chunk for the SEW-ResNet (BNTT: T norms per layer)."""
+    import timeit
+
+    import torch
+    from spikingjelly.activation_based import base, functional
+
+    from spikingsail.config.schema import SNNConfig
+    from spikingsail.snn.chunking import TimeChunking, _contexts
+
+    net = build("sew", time_steps)
+    functional.set_step_mode(net, "m")
+    with torch.no_grad():
+        net(torch.rand(1, 2, 3, 32, 32))  # every neuron's state a tensor
+    states = tuple(base.extract_memories(net))
+    spikingjelly_forward = base.to_functional_forward(net, fn=lambda *inputs: inputs[0])
+    chunking = TimeChunking(SNNConfig(step_mode="m", time_chunk=4), net, "benchmark")
+    chunking._model = lambda *inputs: inputs[0]  # the model's call, without the model
+
+    def ms(function: Callable[[], Any]) -> float:
+        return timeit.timeit(function, number=repeats) / repeats * 1e3
+
+    theirs = ms(lambda: spikingjelly_forward((None,), states))
+    ours = ms(lambda: chunking._run_chunk(1, None, *states))
+
+    def hold() -> None:
+        with _contexts(chunking._norms)[1]:
+            pass
+
+    held = ms(hold)
+    modules = sum(1 for _ in net.modules())
+    print(f"SEW-ResNet-18 at T={time_steps}: {modules} modules, {len(states)} neuron states, "
+          f"{len(chunking._norms)} batch norms; ms of host work, mean of {repeats}")  # fmt: skip
+    print(
+        f"explicit-state forward, spikingjelly's: {theirs:.3f}   the chunking's: {ours:.3f}   ratio {ours / theirs:.3f}"
+    )
+    print(f"holding running statistics for a recompute: {held:.3f}")
+    print(f"per recomputed chunk (two explicit-state forwards and a hold): {2 * ours + held:.3f} "
+          f"(with spikingjelly's forward: {2 * theirs + held:.3f})")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -238,8 +286,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="batch size instead of the model's default")
     parser.add_argument("--size", type=int, default=32, help="input height and width (sew only)")
     parser.add_argument("--time-steps", type=int, nargs="+", default=list(TIME_STEPS), help="the T values")
+    parser.add_argument(
+        "--overhead", action="store_true", help="the host work a chunk adds (SEW-ResNet, last T)"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.overhead:
+        host_overhead(args.time_steps[-1])
+        return
     if args.one:
         logging.basicConfig(level=logging.WARNING)
         name, *arguments = json.loads(args.one)

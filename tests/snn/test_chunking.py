@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from spikingjelly.activation_based import functional, layer
+from spikingjelly.activation_based import base, functional, layer
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import TensorDataset
@@ -26,7 +26,7 @@ from spikingsail.config.schema import SNNConfig
 from spikingsail.environments import RankInfo
 from spikingsail.errors import ConfigError
 from spikingsail.snn import firing_rate
-from spikingsail.snn.chunking import MIB, choose_chunk, time_chunked
+from spikingsail.snn.chunking import MIB, _memory_slots, choose_chunk, time_chunked
 from tests.multiprocess import run_ranks, train_micro_steps
 from tests.snn.models import chunkable_snn, lif, spiking_cnn
 
@@ -74,6 +74,35 @@ def test_chunked_gradients_equal_the_unchunked_ones(k: int) -> None:
     state = wrapped.state_dict()
     for name, buffer in buffers.items():
         assert torch.equal(state[name], buffer), name
+
+
+def test_a_chunked_forward_leaves_the_neuron_state_the_unchunked_one_does() -> None:
+    plain = chunkable_snn(T)
+    functional.set_step_mode(plain, "m")
+    wrapped = chunked(copy.deepcopy(plain), 3)
+    for model in (plain, wrapped):
+        torch.manual_seed(11)
+        model(sequence())
+    states, chunked_states = base.extract_memories(plain), base.extract_memories(wrapped)
+    assert len(states) == len(chunked_states) > 0
+    for state, chunked_state in zip(states, chunked_states, strict=True):
+        torch.testing.assert_close(chunked_state, state, rtol=RTOL, atol=ATOL)
+
+
+def test_the_memory_slots_are_spikingjellys_memories_in_its_order() -> None:
+    """A nested, residual spikingjelly model: one slot per memory, in ``extract_memories`` order."""
+    from spikingjelly.activation_based import neuron
+    from spikingjelly.activation_based.model import sew_resnet
+
+    net = sew_resnet.sew_resnet18(num_classes=4, cnf="ADD", spiking_neuron=neuron.IFNode)
+    functional.set_step_mode(net, "m")
+    with torch.no_grad():
+        net(torch.rand(2, 2, 3, 16, 16))  # every state a tensor of its own
+    slots = _memory_slots(net, base.MemoryModule)
+    assert [id(memory._memories[name]) for memory, name in slots] == [
+        id(v) for v in base.extract_memories(net)
+    ]
+    assert len({id(v) for v in base.extract_memories(net)}) == len(slots) > 10
 
 
 def test_the_dropout_a_recompute_draws_is_the_forwards() -> None:

@@ -7,8 +7,9 @@ only its input and the neuron state it starts from; backward recomputes one chun
 the activations alive at once are one chunk's, plus a boundary state per chunk. The last chunk,
 whose backward comes first, keeps its activations and is not recomputed.
 
-Each chunk runs under torch's non-reentrant checkpoint through spikingjelly's explicit-state forward
-(``base.to_functional_forward``), so every ``MemoryModule``'s state is carried from chunk to chunk as
+Each chunk runs under torch's non-reentrant checkpoint as an explicit-state forward (what
+spikingjelly's ``base.to_functional_forward`` does, with the model's memory slots listed once instead
+of walked four times per chunk), so every ``MemoryModule``'s state is carried from chunk to chunk as
 the chunk's input and output, and the RNG state is replayed when a chunk is recomputed (dropout masks
 are the same). Batch norms commit their running statistics once per chunk: in the recompute they
 normalise with the chunk's batch statistics as before but do not update them again (a training batch
@@ -89,10 +90,16 @@ class TimeChunking:
         self._base = base
         self._all_buffers_forward = checkpointing._checkpoint_module_forward
         self._merge = checkpointing._merge_chunk_outputs
-        # Through the model's __call__, not spikingjelly's per-layer composition: FSDP2 and ZeRO-3
-        # gather parameters in forward hooks, which a bypassed __call__ would skip.
-        self._functional = base.to_functional_forward(model, fn=model.__call__)
+        # Every chunk runs through the model's __call__, not spikingjelly's per-layer composition:
+        # FSDP2 and ZeRO-3 gather parameters in forward hooks, which a bypassed __call__ would skip.
+        # What a chunk touches is listed once: a model's modules do not change while it trains, and
+        # walking them per chunk costs more than a chunk's kernels on a GPU (BNTT keeps T norms a layer).
+        self._model = model
+        self._slots = _memory_slots(model, base.MemoryModule)
+        self._functional = base.to_functional_forward(model, fn=model.__call__)  # for the other-buffers path
         self._batch_norms = _batch_norms_over_time(model)
+        self._norms = [m for m in model.modules() if isinstance(m, _BatchNorm)]
+        self._other_buffers = bool(_other_buffers(model))
         self.choices: dict[tuple[Any, ...], ChunkChoice] = {}
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -112,7 +119,7 @@ class TimeChunking:
         chunks = math.ceil(time_steps / steps)
         if chunks <= 1:
             return module(*args, **kwargs)
-        if _other_buffers(module):
+        if self._other_buffers:
             return self._all_buffers_forward(
                 module, *args, functional_forward=self._functional, compressor=None, chunks=chunks,
                 chunked_args=(0,), time_dim=0, **kwargs,
@@ -129,24 +136,49 @@ class TimeChunking:
         does with its last segment): the peak is the same, a chunk's activations and the boundaries
         before it, and the step recomputes one chunk fewer.
         """
-        states = tuple(self._base.extract_memories(module))
+        states = self._extract()
         count = 1 + len(rest)
         pieces = torch.tensor_split(x, chunks, dim=0)
         outputs = []
         for piece in pieces[:-1]:
             output, states = checkpoint(
                 self._run_chunk, count, piece, *rest, *states, use_reentrant=False,
-                context_fn=functools.partial(_contexts, module), **kwargs,
+                context_fn=functools.partial(_contexts, self._norms), **kwargs,
             )  # fmt: skip
             outputs.append(output)
         output, states = self._run_chunk(count, pieces[-1], *rest, *states, **kwargs)
         outputs.append(output)
-        self._base.load_memories(module, list(states))
+        self._load(states)
         return self._merge(outputs, 0)
 
     def _run_chunk(self, count: int, *flat: Any, **kwargs: Any) -> tuple[Any, tuple[Any, ...]]:
-        outputs, states = self._functional(flat[:count], flat[count:], **kwargs)
-        return (outputs[0] if len(outputs) == 1 else outputs), tuple(states)
+        """The model on one chunk's inputs from the given neuron state: its output and the state after.
+
+        The model's own state is left as it was (the recompute in backward runs this again).
+        """
+        original = self._extract()
+        self._load(flat[count:])
+        try:
+            result = self._model(*flat[:count], **kwargs)
+            states = self._extract()
+        finally:
+            self._load(original)
+        outputs = tuple(result) if isinstance(result, (tuple, list)) else (result,)
+        return (outputs[0] if len(outputs) == 1 else outputs), states
+
+    def _extract(self) -> tuple[Any, ...]:
+        return tuple(memory._memories[name] for memory, name in self._slots)
+
+    def _load(self, states: tuple[Any, ...]) -> None:
+        if len(states) != len(self._slots):
+            raise SailError(
+                f"{self.source}: snn.time_chunk: the model has {len(self._slots)} neuron state slots, "
+                f"a chunk was handed {len(states)}",
+                "memory modules were added to or removed from the model after the engine wrapped it",
+                "build the whole model before calling spikingsail (or SpikingSail(...).run())",
+            )
+        for (memory, name), value in zip(self._slots, states, strict=True):
+            memory._memories[name] = value
 
     def _check_batch_norm(self) -> None:
         if self.config.chunk_batchnorm == "per_chunk":
@@ -272,15 +304,26 @@ def _other_buffers(model: nn.Module) -> list[str]:
     return [name for name, b in model.named_buffers() if id(b) not in norms]
 
 
+def _memory_slots(module: nn.Module, memory_module: type[nn.Module]) -> list[tuple[Any, str]]:
+    """Every (``MemoryModule``, memory name) in the order of spikingjelly's ``extract_memories``."""
+    memories: dict[str, Any] = module.__dict__.get("_memories", {})
+    slots: list[tuple[Any, str]] = (
+        [(module, name) for name in memories] if isinstance(module, memory_module) else []
+    )
+    for _, child in module.named_children():
+        slots += _memory_slots(child, memory_module)
+    return slots
+
+
 def _contexts(
-    model: nn.Module,
+    norms: list[_BatchNorm],
 ) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
     """``checkpoint``'s ``context_fn``: nothing in the forward, running statistics left alone in the recompute."""
-    return contextlib.nullcontext(), _statistics_kept(model)
+    return contextlib.nullcontext(), _statistics_kept(norms)
 
 
 @contextlib.contextmanager
-def _statistics_kept(model: nn.Module) -> Iterator[None]:
+def _statistics_kept(norms: list[_BatchNorm]) -> Iterator[None]:
     """Training batch norms normalise with batch statistics but leave their running ones unchanged.
 
     The forward already updated them once for this chunk. With a momentum of 0 the update is
@@ -288,21 +331,27 @@ def _statistics_kept(model: nn.Module) -> Iterator[None]:
     scratch tensor. The output is the forward's: a training batch norm never reads its running
     statistics, and it saves the same tensors for backward (which a recompute must).
     """
-    updating = [
-        m for m in model.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats
+    # Through each module's __dict__ and _buffers, not nn.Module's attribute protocol: BNTT models
+    # have hundreds of norms, and this runs for every recomputed chunk.
+    kept = [
+        (m.__dict__, m._buffers, m.__dict__["momentum"], m._buffers.get("num_batches_tracked"))
+        for m in norms
+        if m.training and m.track_running_stats
     ]
-    kept = [(m, m.momentum, m.num_batches_tracked) for m in updating]
     scratch: dict[torch.device, torch.Tensor] = {}
-    for m, _, counter in kept:
-        m.momentum = 0.0
+    for attributes, buffers, _, counter in kept:
+        attributes["momentum"] = 0.0
         if counter is not None:
-            m.num_batches_tracked = scratch.setdefault(counter.device, torch.zeros_like(counter))
+            if counter.device not in scratch:
+                scratch[counter.device] = torch.zeros_like(counter)
+            buffers["num_batches_tracked"] = scratch[counter.device]
     try:
         yield
     finally:
-        for m, momentum, counter in kept:
-            m.momentum = momentum
-            m.num_batches_tracked = counter
+        for attributes, buffers, momentum, counter in kept:
+            attributes["momentum"] = momentum
+            if counter is not None:
+                buffers["num_batches_tracked"] = counter
 
 
 def _batch_norms_over_time(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -62,7 +62,7 @@ zero2=$(config deepspeed "$("$python" -c 'import torch; print("{\"zero_optimizat
 ds_env=(env)
 if readable=$("$python" -c '
 import os, sys
-from spikingsail.backends.deepspeed import readable_cuda_archs, unreadable_cuda_archs
+from spikingsail.cuda_arch_list import readable_cuda_archs, unreadable_cuda_archs
 archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
 print(readable_cuda_archs(archs or ""))
 sys.exit(0 if unreadable_cuda_archs(archs) else 1)'); then

@@ -54,7 +54,7 @@ if not torch.version.cuda or CUDA_HOME is None:
     sys.exit(f"[setup] SAIL_DEEPSPEED_CUDA_OPS=1: cannot build DeepSpeed'"'"'s CUDA ops here: "
              + ("this torch is a CPU build" if not torch.version.cuda else
                 f"no CUDA toolkit (nvcc) found; install CUDA {torch.version.cuda} and set CUDA_HOME"))
-from spikingsail.backends.deepspeed import readable_cuda_archs, unreadable_cuda_archs
+from spikingsail.cuda_arch_list import readable_cuda_archs, unreadable_cuda_archs
 archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
 if unreadable_cuda_archs(archs):
     sys.exit(f"[setup] SAIL_DEEPSPEED_CUDA_OPS=1: DeepSpeed cannot build for TORCH_CUDA_ARCH_LIST={archs!r} "

@@ -339,7 +339,7 @@ def test_arch_lists_deepspeed_reads_are_not_called_unreadable(
 ) -> None:
     from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder  # the CUDA builder, on any machine
 
-    from spikingsail.backends.deepspeed import unreadable_cuda_archs
+    from spikingsail.cuda_arch_list import unreadable_cuda_archs
 
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
     assert FusedAdamBuilder().compute_capability_args()  # DeepSpeed's own reading
@@ -360,7 +360,8 @@ def test_arch_lists_deepspeed_cannot_read_stop_with_the_entries_and_a_list_it_re
 ) -> None:
     from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
 
-    from spikingsail.backends.deepspeed import initialize_error, readable_cuda_archs
+    from spikingsail.backends.deepspeed import initialize_error
+    from spikingsail.cuda_arch_list import readable_cuda_archs
 
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
     with pytest.raises(ValueError, match="invalid literal for int") as raised:

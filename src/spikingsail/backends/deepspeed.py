@@ -16,7 +16,6 @@ import contextlib
 import datetime
 import logging
 import os
-import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from spikingsail.backends.process_group import (
 from spikingsail.checkpoint import dcp_io
 from spikingsail.config.parse import INERT_DEEPSPEED_KEYS, NOT_FOR_DEEPSPEED
 from spikingsail.config.schema import SailConfig
+from spikingsail.cuda_arch_list import readable_cuda_archs, unreadable_cuda_archs
 from spikingsail.engine.precision import Precision, native_bf16
 from spikingsail.errors import BackendError, CheckpointError, first_line
 from spikingsail.tensors import map_tensors
@@ -47,28 +47,6 @@ INSTALL_HINT = "DS_BUILD_OPS=0 pip install 'deepspeed==0.19.8'  (or: pip install
 STATE_TAG = "deepspeed"
 """The tag of DeepSpeed's checkpoint inside a SpikingSail checkpoint's ``state/`` directory."""
 _NEVER = 2**62  # DeepSpeed's own step log is replaced by SpikingSail's monitor
-_ARCH_ENTRY = re.compile(r"(\d+\.\d+)(\+PTX)?")
-"""A ``TORCH_CUDA_ARCH_LIST`` entry as DeepSpeed's op builder reads it: MAJOR.MINOR[+PTX]."""
-
-
-def unreadable_cuda_archs(arch_list: str | None) -> list[str]:
-    """The entries of ``TORCH_CUDA_ARCH_LIST`` that DeepSpeed's op builder cannot read.
-
-    torch also takes arch-specific and named entries ("9.0a", "10.0f", "Hopper"); DeepSpeed reads
-    each entry as MAJOR.MINOR[+PTX] and stops with ``ValueError: invalid literal for int()`` before
-    building any CUDA op (FusedAdam, CPU Adam on a GPU node) for them."""
-    entries = (arch_list or "").replace(";", " ").split()
-    return [entry for entry in entries if not _ARCH_ENTRY.fullmatch(entry)]
-
-
-def readable_cuda_archs(arch_list: str) -> str:
-    """The entries DeepSpeed can read, each unreadable "9.0a" as its plain "9.0" ("" if none)."""
-    readable: list[str] = []
-    for entry in arch_list.replace(";", " ").split():
-        plain = re.match(r"\d+\.\d+", entry)
-        if plain and plain.group() not in readable and f"{plain.group()}+PTX" not in readable:
-            readable.append(entry if _ARCH_ENTRY.fullmatch(entry) else plain.group())
-    return ";".join(readable)
 
 
 def import_deepspeed(where: str) -> Any:

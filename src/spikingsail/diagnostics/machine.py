@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from spikingsail.backends.deepspeed import readable_cuda_archs, unreadable_cuda_archs
+from spikingsail.cuda_arch_list import readable_cuda_archs, unreadable_cuda_archs
 from spikingsail.diagnostics.findings import Finding, Report, fail, ok, warn
 
 Facts = dict[str, Any]

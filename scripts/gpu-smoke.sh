@@ -64,7 +64,7 @@ if readable=$("$python" -c '
 import os, sys
 from spikingsail.cuda_arch_list import readable_cuda_archs, unreadable_cuda_archs
 archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
-print(readable_cuda_archs(archs or ""))
+print(readable_cuda_archs(archs))
 sys.exit(0 if unreadable_cuda_archs(archs) else 1)'); then
   check "deepspeed refuses TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST" "cannot build its fused_adam op for TORCH_CUDA_ARCH_LIST" \
     bash -c "! ${sail[*]} launch -n $nproc examples/train_digits.py --sail-config $zero2"

@@ -54,12 +54,12 @@ if not torch.version.cuda or CUDA_HOME is None:
     sys.exit(f"[setup] SAIL_DEEPSPEED_CUDA_OPS=1: cannot build DeepSpeed'"'"'s CUDA ops here: "
              + ("this torch is a CPU build" if not torch.version.cuda else
                 f"no CUDA toolkit (nvcc) found; install CUDA {torch.version.cuda} and set CUDA_HOME"))
-from spikingsail.cuda_arch_list import readable_cuda_archs, unreadable_cuda_archs
+from spikingsail.cuda_arch_list import readable_setting, unreadable_cuda_archs
 archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
 if unreadable_cuda_archs(archs):
     sys.exit(f"[setup] SAIL_DEEPSPEED_CUDA_OPS=1: DeepSpeed cannot build for TORCH_CUDA_ARCH_LIST={archs!r} "
              f"(it reads MAJOR.MINOR[+PTX] entries only): run it again with "
-             f"TORCH_CUDA_ARCH_LIST=\"{readable_cuda_archs(archs)}\", or with TORCH_CUDA_ARCH_LIST unset")
+             f"{readable_setting(archs, or_unset=True)}")
 '; then
     exit 1
   fi

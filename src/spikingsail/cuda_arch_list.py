@@ -19,11 +19,21 @@ def unreadable_cuda_archs(arch_list: str | None) -> list[str]:
     return [entry for entry in entries if not _ENTRY.fullmatch(entry)]
 
 
-def readable_cuda_archs(arch_list: str) -> str:
+def readable_cuda_archs(arch_list: str | None) -> str:
     """The entries DeepSpeed can read, each unreadable "9.0a" as its plain "9.0" ("" if none)."""
     readable: list[str] = []
-    for entry in arch_list.replace(";", " ").split():
+    for entry in (arch_list or "").replace(";", " ").split():
         plain = re.match(r"\d+\.\d+", entry)
         if plain and plain.group() not in readable and f"{plain.group()}+PTX" not in readable:
             readable.append(entry if _ENTRY.fullmatch(entry) else plain.group())
     return ";".join(readable)
+
+
+def readable_setting(arch_list: str | None, *, or_unset: bool = False) -> str:
+    """The setting to start with instead: ``TORCH_CUDA_ARCH_LIST="9.0"``, or unset where no entry is
+    readable; ``or_unset`` adds that unsetting it works too, and what DeepSpeed then builds for."""
+    readable = readable_cuda_archs(arch_list)
+    unset = "DeepSpeed then builds for the GPUs it sees"
+    if not readable:
+        return f"TORCH_CUDA_ARCH_LIST unset ({unset})" if or_unset else "TORCH_CUDA_ARCH_LIST unset"
+    return f'TORCH_CUDA_ARCH_LIST="{readable}"' + (f" (or unset: {unset})" if or_unset else "")

@@ -33,7 +33,7 @@ from spikingsail.backends.process_group import (
 from spikingsail.checkpoint import dcp_io
 from spikingsail.config.parse import INERT_DEEPSPEED_KEYS, NOT_FOR_DEEPSPEED
 from spikingsail.config.schema import SailConfig
-from spikingsail.cuda_arch_list import readable_cuda_archs, unreadable_cuda_archs
+from spikingsail.cuda_arch_list import readable_setting, unreadable_cuda_archs
 from spikingsail.engine.precision import Precision, native_bf16
 from spikingsail.errors import BackendError, CheckpointError, first_line
 from spikingsail.tensors import map_tensors
@@ -386,13 +386,11 @@ def initialize_error(source: str, err: BaseException, device: torch.device) -> B
     arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
     unreadable = unreadable_cuda_archs(arch_list)
     if device.type == "cuda" and arch_list and unreadable:
-        readable = readable_cuda_archs(arch_list)
-        setting = f'TORCH_CUDA_ARCH_LIST="{readable}"' if readable else "TORCH_CUDA_ARCH_LIST unset"
         return BackendError(
             f"{source}: DeepSpeed cannot build its {op} op for TORCH_CUDA_ARCH_LIST={arch_list!r}",
             f"its op builder reads each entry as MAJOR.MINOR[+PTX] and cannot read "
             f"{', '.join(map(repr, unreadable))}, a form only torch accepts ({_describe(err)})",
-            f"start the job with {setting} (unset, DeepSpeed builds for the GPUs it sees){avoid}",
+            f"start the job with {readable_setting(arch_list, or_unset=True)}{avoid}",
         )
     return BackendError(
         f"{source}: DeepSpeed could not build its {op} op on this node",

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from spikingsail.cuda_arch_list import readable_cuda_archs, unreadable_cuda_archs
+from spikingsail.cuda_arch_list import readable_setting, unreadable_cuda_archs
 from spikingsail.diagnostics.findings import Finding, Report, fail, ok, warn
 
 Facts = dict[str, Any]
@@ -266,12 +266,10 @@ def _deepspeed_cuda_ops(facts: Facts, host: str) -> list[Finding]:
         return [ok(check, "FusedAdam is prebuilt into DeepSpeed", host)]
     archs = facts["env"].get("TORCH_CUDA_ARCH_LIST")
     if unreadable_cuda_archs(archs):  # read before a compiled FusedAdam is loaded, too
-        readable = readable_cuda_archs(archs or "")
-        setting = f'TORCH_CUDA_ARCH_LIST="{readable}"' if readable else "TORCH_CUDA_ARCH_LIST unset"
         return [fail(check, f"FusedAdam is not prebuilt, and DeepSpeed can neither compile nor load it with "
                      f"TORCH_CUDA_ARCH_LIST={archs!r} (it reads MAJOR.MINOR[+PTX] entries only): a deepspeed "
                      "job whose config has an Adam or AdamW optimizer stops at its start",
-                     f"start jobs with {setting}", host)]  # fmt: skip
+                     f"start jobs with {readable_setting(archs)}", host)]  # fmt: skip
     cached = [
         e
         for e in facts["extensions"]["entries"]

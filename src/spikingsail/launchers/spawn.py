@@ -40,10 +40,16 @@ def spawn(fn: Callable[..., T], nprocs: int, args: tuple[Any, ...] = (), max_res
 
 
 def run_processes(
-    fn: Callable[..., T], nprocs: int, args: tuple[Any, ...] = (), max_restarts: int = 0
+    fn: Callable[..., T],
+    nprocs: int,
+    args: tuple[Any, ...] = (),
+    max_restarts: int = 0,
+    start_method: str = "spawn",
 ) -> dict[int, T]:
     """``fn(*args)`` in ``nprocs`` processes under torchrun's agent; their return values by rank.
-    A failed rank raises torchrun's ``ChildFailedError``."""
+    A failed rank raises torchrun's ``ChildFailedError``. ``start_method`` is multiprocessing's:
+    ``spawn`` (a fresh interpreter per process, safe with CUDA), or ``forkserver`` (forked from a
+    server process that has imported ``multiprocessing.set_forkserver_preload``'s modules once)."""
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -53,7 +59,7 @@ def run_processes(
         rdzv_endpoint="localhost:0",
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=start_method,
     )
     saved = dict(os.environ)
     try:

@@ -1,6 +1,7 @@
 """Mixed-speed ranks: samples/s with ``sail.balance`` off and auto, against the ideal, in one run.
 
     python benchmarks/balance.py                    # needs root and the cgroup v1 cpu controller
+    python benchmarks/balance.py --rounds 5 --steps 65 --seconds 8
     python benchmarks/balance.py --quota 25 --steps 80
     python benchmarks/balance.py --micro 256 --accumulation 1   # less compute per all-reduce
 
@@ -9,21 +10,30 @@ Two gloo ranks on this machine, one thread each; rank 1 runs in a cgroup whose C
 device). The model is compute-bound (an MLP; by default 1024-sample micro-batches per rank on
 average and 4 of them per optimizer step, so the all-reduce is a small part of a step).
 
+Each of ``--rounds`` rounds measures, one after the other:
+
 standalone  each rank's training samples/s alone (a DataLoader over the same data, forward,
-            backward, SGD step, no all-reduce), both at the same time, under the same quota,
-            measured before and after the two runs; ideal = the sum of their means; and once
-            more at the shares auto chose (a rank's speed per sample depends on its
-            micro-batch); ratios are to the larger ideal
-off         2 ranks, equal micro-batches: every step waits for the slow rank
+            backward, SGD step, no all-reduce), both at the same time, under the same quota, at
+            equal micro-batches before and after the round's runs (the next round's "before");
+            ideal = the sum of their means; and once more at the shares auto chose (a rank's
+            speed per sample depends on its micro-batch); the round's ratios are to the larger ideal
+off         2 ranks, equal micro-batches: every step waits for the slow rank (20 steps timed)
 auto        2 ranks, ``"sail": {"balance": "auto"}``: throughput of the steps after its split and refinement
 
-Prints a table with each row's samples/s and its ratio to the ideal.
+A shared machine's speed drifts by more than the gap measured here (the same standalone loop can
+differ by 25% between two measurements a minute apart), so the rounds interleave the runs and the
+ideal, and the summary gives the median ratio over the rounds and its range. Prints each round's
+table, then the summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
+import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +49,7 @@ from spikingsail.launchers.spawn import run_processes
 
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 10_000
+WINDOW = 10  # steps per phase-timing record
 
 
 def model() -> torch.nn.Module:
@@ -87,17 +98,25 @@ def standalone(group: str, seconds: float, micros: list[int]) -> float:
 
 
 def train(group: str, balance: str, steps: int, micro: int, accumulation: int) -> dict[str, Any]:
+    """The job; with ``off``, 20 steps after two are timed (equal shares need no measurement). Also
+    returns, from the engine's phase timings (``sail.straggler_window``) over the timed steps, each
+    rank's milliseconds per step and those of them spent in backward after its last gradient (the
+    all-reduce, and the wait for the other rank)."""
     rank = join(group)
+    metrics = Path(tempfile.mkdtemp(prefix="sail-balance-")) / "metrics.jsonl"
     engine, _ = spikingsail.initialize(
         model=model(),
         config={"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation,
                 "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
-                "sail": {"progress_bar": False, "balance": balance}},
+                "sail": {"progress_bar": False, "balance": balance, "metrics_path": str(metrics),
+                         "straggler_window": WINDOW}},
     )  # fmt: skip
     loader = engine.dataloader(data())
     batches = (batch for _ in iter(int, 1) for batch in loader)  # epoch after epoch
     # auto has split (after 1 + 8 steps) and refined (within 2 more windows of 8) by then
     timed_from, start = WARMUP_STEPS + MEASURE_STEPS * (1 + REFINE_WINDOWS), 0.0
+    if balance == "off":
+        timed_from, steps = 2, 22
     while engine.global_steps < steps:
         if engine.global_steps == timed_from:
             dist.barrier()
@@ -110,7 +129,23 @@ def train(group: str, balance: str, steps: int, micro: int, accumulation: int) -
     split = list(engine.balancer.split) if engine.balancer is not None else [micro, micro]
     engine.close()
     samples = (steps - timed_from) * 2 * micro * accumulation
-    return {"rank": rank, "samples_per_s": samples / elapsed, "split": split}
+    phases = [
+        record["stragglers"]["ms_per_step"]
+        for record in map(json.loads, metrics.read_text().splitlines() if rank == 0 else [])
+        if "stragglers" in record and record["step"] - WINDOW >= timed_from
+    ]
+    shutil.rmtree(metrics.parent)
+    step_ms = (
+        [statistics.fmean(sum(p[phase][r] for phase in p) for p in phases) for r in (0, 1)] if phases else []
+    )
+    comm_ms = [statistics.fmean(p["comm"][r] for p in phases) for r in (0, 1)] if phases else []
+    return {
+        "rank": rank,
+        "samples_per_s": samples / elapsed,
+        "split": split,
+        "step_ms": step_ms,
+        "comm_ms": comm_ms,
+    }
 
 
 def main() -> None:
@@ -118,12 +153,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quota", type=int, default=40, help="rank 1's CPU quota, percent of one core")
-    parser.add_argument(
-        "--steps", type=int, default=45, help="optimizer steps; those after auto's refinement (25) are timed"
-    )
+    parser.add_argument("--steps", type=int, default=45, help="auto's optimizer steps (25 on are timed)")
     parser.add_argument("--micro", type=int, default=1024, help="samples per rank and micro-step, on average")
     parser.add_argument("--accumulation", type=int, default=4, help="gradient_accumulation_steps")
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each standalone measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of standalone, off and auto runs")
     args = parser.parse_args()
     if not (CPU_CGROUPS / "cpu.cfs_quota_us").exists():
         raise SystemExit(
@@ -131,18 +165,21 @@ def main() -> None:
         )
     group = CPU_CGROUPS / f"sail-balance-bench-{os.getpid()}"
     group.mkdir()
+    rounds: list[dict[str, Any]] = []
     try:
         (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
         (group / "cpu.cfs_quota_us").write_text(str(PERIOD_US * args.quota // 100))
         equal = [args.micro, args.micro]
         before = run_processes(standalone, 2, (str(group), args.seconds, equal))
-        runs = {}
-        for balance in ("off", "auto"):
-            runs[balance] = run_processes(
-                train, 2, (str(group), balance, args.steps, args.micro, args.accumulation)
-            )[0]
-        after = run_processes(standalone, 2, (str(group), args.seconds, equal))
-        at_split = run_processes(standalone, 2, (str(group), args.seconds, runs["auto"]["split"]))
+        for _ in range(args.rounds):
+            runs = {
+                balance: run_processes(train, 2, (str(group), balance, args.steps, args.micro, args.accumulation))[0]
+                for balance in ("off", "auto")
+            }  # fmt: skip
+            at_split = run_processes(standalone, 2, (str(group), args.seconds, runs["auto"]["split"]))
+            after = run_processes(standalone, 2, (str(group), args.seconds, equal))
+            rounds.append({"before": before, "after": after, "at_split": at_split, "runs": runs})
+            before = after
     finally:
         for _ in range(50):
             try:
@@ -150,6 +187,20 @@ def main() -> None:
                 break
             except OSError:
                 time.sleep(0.1)
+    auto_ratios, off_ratios = [], []
+    for number, measured in enumerate(rounds, 1):
+        auto, off = report(number, measured, args)
+        auto_ratios.append(auto)
+        off_ratios.append(off)
+    print(f"\nover {len(rounds)} round(s), ÷ each round's ideal:")
+    for name, ratios in (("balance off", off_ratios), ("balance auto", auto_ratios)):
+        print(f"{name:40} median {statistics.median(ratios):.2f}  range {min(ratios):.2f}-{max(ratios):.2f}  "
+              f"({', '.join(f'{r:.2f}' for r in ratios)})")  # fmt: skip
+
+
+def report(number: int, measured: dict[str, Any], args: argparse.Namespace) -> tuple[float, float]:
+    """Print one round's table; returns its ratios of auto and off to the ideal."""
+    before, after, at_split, runs = (measured[k] for k in ("before", "after", "at_split", "runs"))
     # A throttled rank's speed drifts by a few percent over a minute: at equal micro-batches, the
     # mean of a measurement before and one after the runs. A rank's speed per sample also depends
     # on its micro-batch (bigger matrices, fixed costs per batch spread wider): the ranks alone at
@@ -166,9 +217,17 @@ def main() -> None:
         ("  ideal at auto's split (sum)", sum(at_split.values()), None),
         *((f"balance {name}", run["samples_per_s"], run["split"]) for name, run in runs.items()),
     ]  # fmt: skip
-    print(f"\n{'run':40} {'samples/s':>10} {'÷ ideal':>8}  split / measurements")
+    print(f"\nround {number}\n{'run':40} {'samples/s':>10} {'÷ ideal':>8}  split / measurements")
     for name, speed, detail in rows:
         print(f"{name:40} {speed:10.0f} {speed / ideal:8.2f}  {detail or ''}")
+    auto = runs["auto"]
+    if auto["step_ms"]:
+        # the faster rank also waits for the slower one there: the smaller of the two is the all-reduce
+        shares = [c / t for c, t in zip(auto["comm_ms"], auto["step_ms"], strict=True)]
+        print(f"{'  auto: backward after the last gradient':40} {'':>10} {min(shares):8.2f}  of a step (rank 0 "
+              f"{auto['comm_ms'][0]:.0f} of {auto['step_ms'][0]:.0f} ms, rank 1 {auto['comm_ms'][1]:.0f} of "
+              f"{auto['step_ms'][1]:.0f} ms)")  # fmt: skip
+    return runs["auto"]["samples_per_s"] / ideal, runs["off"]["samples_per_s"] / ideal
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ table, then the summary.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -46,6 +45,7 @@ from torch.utils.data import TensorDataset
 import spikingsail
 from spikingsail.engine.balance import MEASURE_STEPS, REFINE_WINDOWS, WARMUP_STEPS
 from spikingsail.launchers.spawn import run_processes
+from spikingsail.monitor.report import read_run
 
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 10_000
@@ -129,11 +129,9 @@ def train(group: str, balance: str, steps: int, micro: int, accumulation: int) -
     split = list(engine.balancer.split) if engine.balancer is not None else [micro, micro]
     engine.close()
     samples = (steps - timed_from) * 2 * micro * accumulation
-    phases = [
-        record["stragglers"]["ms_per_step"]
-        for record in map(json.loads, metrics.read_text().splitlines() if rank == 0 else [])
-        if "stragglers" in record and record["step"] - WINDOW >= timed_from
-    ]
+    # rank 0 writes the metrics file; ``sail report``'s reader gives its straggler windows
+    windows = read_run(metrics).windows if rank == 0 else []
+    phases = [w["ms_per_step"] for w in windows if w["step"] - WINDOW >= timed_from]
     shutil.rmtree(metrics.parent)
     step_ms = (
         [statistics.fmean(sum(p[phase][r] for phase in p) for p in phases) for r in (0, 1)] if phases else []

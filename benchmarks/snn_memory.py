@@ -5,6 +5,7 @@
     python benchmarks/snn_memory.py --models sew --size 64 --batch 16 --time-steps 4 16
     python benchmarks/snn_memory.py --models sew --batch 32 --memopt   # spikingjelly's memopt instead
     python benchmarks/snn_memory.py --overhead         # the host work a chunk adds, SEW-ResNet at T=32
+    python benchmarks/snn_memory.py --models sew --in-process --batch 32 --size 224 --time-steps 4 16 --chunks 0 4 8
 
 Each measurement runs in a fresh process: the model, one batch and the engine (one process, the
 config's ``snn.time_chunk``) are built, the peak counter is reset, and one training step (forward,
@@ -20,6 +21,14 @@ the whole and the chunked engine are built side by side, each takes a warm-up st
 ratios the target is stated in: chunked peak at T over chunked peak at T=4 and over the whole
 (unchunked) peak at T=4, and chunked time over whole time. Then runs ``time_chunk: "auto"`` with a
 budget and prints the chunk it chose.
+
+``--in-process`` (CUDA only) measures every setting in this one process instead, as
+``--chunks`` lists them (0 = whole), one after another: build the engine, a warm-up step, the peak
+of one step (``max_memory_allocated`` after resetting it, which needs no fresh process), the median
+of ``--steps`` timed steps, then the next setting after ``torch.cuda.empty_cache()``. It is quicker
+where a device's time is short, but the settings are not interleaved, so the first one timed in the
+process can read slower while the GPU warms up (a T=4 row, where every chunk size runs the same
+step, shows how much).
 
 ``--overhead`` times the host (Python) work a chunk adds besides its kernels, which is what a small
 batch on a GPU waits on: the explicit-state forward of the chunk (the neuron state swapped in and
@@ -168,6 +177,42 @@ def measure_times(
     return {"seconds": [statistics.median(kept) for kept in times]}
 
 
+def in_process(
+    model: str, time_steps: list[int], chunks: list[int], steps: int, batch: int, size: int
+) -> None:
+    """Every (T, chunk) setting one after another in this process: CUDA peak and median step time."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--in-process measures CUDA max_memory_allocated; on a CPU run without it")
+    print(f"{torch.cuda.get_device_name(0)}, {model} batch {batch}, {size}×{size}, torch {torch.__version__}; "
+          f"peak MiB / median ms of {steps} steps / time ÷ whole, settings one after another")  # fmt: skip
+    for t in time_steps:
+        row = []
+        for chunk in chunks:
+            engine, step = training_step(model, t, chunk, None, batch, size)
+            step()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            step()
+            peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - start)
+            row.append((chunk, peak, statistics.median(times)))
+            engine.close()
+            del engine, step
+            torch.cuda.empty_cache()
+        whole = row[0][2]
+        print(
+            f"T={t}: "
+            + "  ".join(f"k={c}: {p:.0f} MiB {s * 1e3:.1f} ms ({s / whole:.2f}×)" for c, p, s in row)
+        )
+
+
 def spikingjelly_memopt(net: Any, x: Any, time_steps: int) -> None:
     """spikingjelly's own ``memopt.optimize_memory`` at level 1 (the level that runs without CUDA):
     every SEW-ResNet ``BasicBlock`` checkpointed over all T, its input compressed where it is
@@ -289,10 +334,18 @@ def main() -> None:
     parser.add_argument(
         "--overhead", action="store_true", help="the host work a chunk adds (SEW-ResNet, last T)"
     )
+    parser.add_argument("--in-process", action="store_true",
+                        help="CUDA only: every setting in this process, one after another (see above)")  # fmt: skip
+    parser.add_argument("--chunks", type=int, nargs="+", default=[0, 4],
+                        help="with --in-process: the chunk sizes to measure, 0 = whole, first")  # fmt: skip
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.overhead:
         host_overhead(args.time_steps[-1])
+        return
+    if args.in_process:
+        for model in args.models:
+            in_process(model, args.time_steps, args.chunks, args.steps, args.batch or BATCH[model], args.size)
         return
     if args.one:
         logging.basicConfig(level=logging.WARNING)

@@ -1,8 +1,8 @@
 """Mixed-speed ranks: samples/s with ``sail.balance`` off and auto, against the ideal, in one run.
 
     python benchmarks/balance.py                    # needs root and the cgroup v1 cpu controller
-    python benchmarks/balance.py --rounds 5 --steps 65 --seconds 8
-    python benchmarks/balance.py --quota 25 --steps 80
+    python benchmarks/balance.py --rounds 5 --steps 40 --seconds 8
+    python benchmarks/balance.py --quota 25
     python benchmarks/balance.py --micro 256 --accumulation 1   # less compute per all-reduce
 
 Two gloo ranks on this machine, one thread each; rank 1 runs in a cgroup whose CPU quota is
@@ -18,7 +18,9 @@ standalone  each rank's training samples/s alone (a DataLoader over the same dat
             ideal = the sum of their means; and once more at the shares auto chose (a rank's
             speed per sample depends on its micro-batch); the round's ratios are to the larger ideal
 off         2 ranks, equal micro-batches: every step waits for the slow rank (20 steps timed)
-auto        2 ranks, ``"sail": {"balance": "auto"}``: throughput of the steps after its split and refinement
+auto        2 ranks, ``"sail": {"balance": "auto"}``: throughput of ``--steps`` steps once it has split,
+            refined and probed (``Balancer.settled``); and over the whole run from step 2, its
+            measuring and probing included
 
 A shared machine's speed drifts by more than the gap measured here (the same standalone loop can
 differ by 25% between two measurements a minute apart), so the rounds interleave the runs and the
@@ -43,13 +45,14 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import spikingsail
-from spikingsail.engine.balance import MEASURE_STEPS, REFINE_WINDOWS, WARMUP_STEPS
 from spikingsail.launchers.spawn import run_processes
 from spikingsail.monitor.report import read_run
 
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 10_000
 WINDOW = 10  # steps per phase-timing record
+SETTLE_LIMIT = 200
+"""auto's timed steps begin here if it has not settled by then (the table says so)."""
 
 
 def model() -> torch.nn.Module:
@@ -98,10 +101,11 @@ def standalone(group: str, seconds: float, micros: list[int]) -> float:
 
 
 def train(group: str, balance: str, steps: int, micro: int, accumulation: int) -> dict[str, Any]:
-    """The job; with ``off``, 20 steps after two are timed (equal shares need no measurement). Also
-    returns, from the engine's phase timings (``sail.straggler_window``) over the timed steps, each
-    rank's milliseconds per step and those of them spent in backward after its last gradient (the
-    all-reduce, and the wait for the other rank)."""
+    """The job; ``steps`` steps timed: with ``off`` after two (equal shares need no measurement),
+    with ``auto`` once it has settled (at most ``SETTLE_LIMIT`` steps on). Also returns auto's
+    throughput from step 2 on, and, from the engine's phase timings (``sail.straggler_window``) over
+    the timed steps, each rank's milliseconds per step and those of them spent in backward after its
+    last gradient (the all-reduce, and the wait for the other rank)."""
     rank = join(group)
     metrics = Path(tempfile.mkdtemp(prefix="sail-balance-")) / "metrics.jsonl"
     engine, _ = spikingsail.initialize(
@@ -113,22 +117,32 @@ def train(group: str, balance: str, steps: int, micro: int, accumulation: int) -
     )  # fmt: skip
     loader = engine.dataloader(data())
     batches = (batch for _ in iter(int, 1) for batch in loader)  # epoch after epoch
-    # auto has split (after 1 + 8 steps) and refined (within 2 more windows of 8) by then
-    timed_from, start = WARMUP_STEPS + MEASURE_STEPS * (1 + REFINE_WINDOWS), 0.0
-    if balance == "off":
-        timed_from, steps = 2, 22
-    while engine.global_steps < steps:
-        if engine.global_steps == timed_from:
+    balancer = engine.balancer
+    first = 2
+    timed_from: int | None = None
+    start = whole_start = 0.0
+    while timed_from is None or engine.global_steps < timed_from + steps:
+        if engine.global_steps == first:
             dist.barrier()
-            start = time.perf_counter()
+            whole_start = time.perf_counter()
+        if (
+            timed_from is None
+            and engine.global_steps >= first
+            and (balancer is None or balancer.settled or engine.global_steps >= SETTLE_LIMIT)
+        ):  # every rank sees the same all-reduced measurements, so they agree on the step
+            timed_from = engine.global_steps
+            if timed_from > first:
+                dist.barrier()
+            start = time.perf_counter() if timed_from > first else whole_start
         x, y = next(batches)
         engine.backward(F.cross_entropy(engine(x), y))
         engine.step()
     dist.barrier()
-    elapsed = time.perf_counter() - start
-    split = list(engine.balancer.split) if engine.balancer is not None else [micro, micro]
+    end = time.perf_counter()
+    split = list(balancer.split) if balancer is not None else [micro, micro]
+    probed = [c["split"] for c in balancer.changes if c.get("probed")] if balancer is not None else []
     engine.close()
-    samples = (steps - timed_from) * 2 * micro * accumulation
+    per_step = 2 * micro * accumulation
     # rank 0 writes the metrics file; ``sail report``'s reader gives its straggler windows
     windows = read_run(metrics).windows if rank == 0 else []
     phases = [w["ms_per_step"] for w in windows if w["step"] - WINDOW >= timed_from]
@@ -139,7 +153,10 @@ def train(group: str, balance: str, steps: int, micro: int, accumulation: int) -
     comm_ms = [statistics.fmean(p["comm"][r] for p in phases) for r in (0, 1)] if phases else []
     return {
         "rank": rank,
-        "samples_per_s": samples / elapsed,
+        "samples_per_s": steps * per_step / (end - start),
+        "whole_samples_per_s": (timed_from + steps - first) * per_step / (end - whole_start),
+        "settled_at": timed_from,
+        "probed": probed,
         "split": split,
         "step_ms": step_ms,
         "comm_ms": comm_ms,
@@ -151,7 +168,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quota", type=int, default=40, help="rank 1's CPU quota, percent of one core")
-    parser.add_argument("--steps", type=int, default=45, help="auto's optimizer steps (25 on are timed)")
+    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps (auto: once settled)")
     parser.add_argument("--micro", type=int, default=1024, help="samples per rank and micro-step, on average")
     parser.add_argument("--accumulation", type=int, default=4, help="gradient_accumulation_steps")
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each standalone measurement")
@@ -213,7 +230,12 @@ def report(number: int, measured: dict[str, Any], args: argparse.Namespace) -> t
         ("standalone rank 0 at auto's share", at_split[0], split[0]),
         ("standalone rank 1 at auto's share", at_split[1], split[1]),
         ("  ideal at auto's split (sum)", sum(at_split.values()), None),
-        *((f"balance {name}", run["samples_per_s"], run["split"]) for name, run in runs.items()),
+        ("balance off", runs["off"]["samples_per_s"], runs["off"]["split"]),
+        ("balance auto, once settled", runs["auto"]["samples_per_s"],
+         f"{runs['auto']['split']}, settled at step {runs['auto']['settled_at']}"
+         + (" (the limit: not settled)" if runs["auto"]["settled_at"] >= SETTLE_LIMIT else "")
+         + (f", probe kept {runs['auto']['probed'][-1]}" if runs["auto"]["probed"] else ", probe kept none")),
+        ("balance auto, from step 2", runs["auto"]["whole_samples_per_s"], "measuring and probing included"),
     ]  # fmt: skip
     print(f"\nround {number}\n{'run':40} {'samples/s':>10} {'÷ ideal':>8}  split / measurements")
     for name, speed, detail in rows:

@@ -19,6 +19,16 @@ even split's would: a rank's speed per sample, measured at one share, need not h
 and the split converges on even times. At any later step it splits again when the slowest rank's
 compute over the last ``MEASURE_STEPS`` steps took more than ``DRIFT_TOLERANCE`` longer than even
 (a slow drift of a rank's speed, below the factor).
+Once the split holds still after a change, ``auto`` probes its neighbours by what the step costs end
+to end: it moves ``PROBE_FRACTION`` of the slowest rank's share to the fastest rank (and, if that is
+not faster, the other way), runs the two splits in turn for ``PROBE_ROUNDS`` rounds of
+``PROBE_STEPS`` steps each, and keeps a neighbour whose steps were more than ``PROBE_MARGIN`` faster,
+then tries the next one the same way (at most ``PROBE_MOVES``). Compute times even out the ranks'
+work, but what a step costs also depends on how the ranks' work and waits fall together (a CPU
+quota's periods, two processes sharing cores, the overlap of the all-reduce with backward), which
+only the step's own time shows. What the probe found stays as a correction of each rank's speed, so
+that the later checks take the probed split as even; a change by the factor drops it and probes
+again.
 Every rank decides from the same all-reduced numbers, so the split changes at the same step
 everywhere. Backends whose ranks also wait for each other inside forward and backward (FSDP's
 all-gathers) would hide the difference there; they take fixed weights only.
@@ -31,6 +41,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,6 +63,17 @@ DRIFT_TOLERANCE = 0.10
 """The same, at any later step (over the last ``MEASURE_STEPS`` steps): a rank whose speed drifts
 by less than ``rebalance_factor`` but costs the step more than this is followed too. Wider than
 ``REFINE_TOLERANCE`` so that measurement noise does not move the split back and forth."""
+PROBE_FRACTION = 0.08
+"""A probe moves this fraction of the slowest rank's share (at least one sample) to or from the fastest."""
+PROBE_STEPS = 4
+"""Steps a probed split runs before the other one of the pair takes over."""
+PROBE_ROUNDS = 4
+"""Turns of each split in one comparison: ``2 × PROBE_ROUNDS × PROBE_STEPS`` steps, the two splits
+interleaved so that a change of the machine's load meets both alike."""
+PROBE_MARGIN = 0.03
+"""How much faster (steps per second) a neighbour must run to be kept."""
+PROBE_MOVES = 3
+"""Neighbours kept one after another in one probe, at most."""
 
 
 class ComputeTimer:
@@ -78,11 +100,11 @@ class ComputeTimer:
         if last is not None:
             self._waits.append((last, self.clock.mark()))
 
-    def take(self) -> tuple[float, int]:
-        """(compute seconds, samples) since the last ``restart``."""
+    def take(self) -> tuple[float, int, float]:
+        """(compute seconds, samples, wall seconds) since the last ``restart``."""
         step = self.clock.seconds(self._start, self.clock.mark())
         waited = sum(self.clock.seconds(a, b) for a, b in self._waits)
-        out = (max(step - waited, 1e-9), self.samples)
+        out = (max(step - waited, 1e-9), self.samples, step)
         self._waits.clear()
         self.samples = 0
         return out
@@ -92,6 +114,26 @@ class ComputeTimer:
 
     def remove(self) -> None:
         self.last_gradient.remove()
+
+
+@dataclass
+class _Probe:
+    """A comparison of the split in use (``base``) with a neighbour, by the wall time of their steps."""
+
+    start: list[int]
+    """The split before the probe: where a probe that keeps no neighbour ends."""
+    base: list[int]
+    candidate: list[int]
+    direction: int
+    """-1: the slowest rank gives samples to the fastest; +1: it takes some."""
+    kept: int = 0
+    turns: int = 0
+    """Turns (of ``PROBE_STEPS`` steps) done in this comparison; even: the candidate's."""
+    steps: int = 0
+    wall: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
+    counted: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})
+    turn: torch.Tensor | None = None
+    """This turn's per-rank (compute seconds, samples, wall seconds), summed over its steps."""
 
 
 class Balancer:
@@ -120,11 +162,22 @@ class Balancer:
         )  # per step: [rank, (seconds, samples)]
         self._reference: list[float] | None = None  # the speed fractions the split was made from
         self._refines = 0
+        self.corrections = [1.0] * world_size
+        """Per-rank factors on the measured speeds, from the last probe: the split they give is the probed one."""
+        self._probe: _Probe | None = None
+        self._probe_due = False
         self.changes: list[dict[str, Any]] = []
         """Every change of split, for the monitor: step, speeds (samples/s), split."""
 
     def shares(self) -> list[int]:
         return self.split
+
+    @property
+    def settled(self) -> bool:
+        """``auto``: measured, refined and probed; the split holds until a rank's speed changes."""
+        return (
+            self._reference is not None and self._probe is None and not self._probe_due and not self._refines
+        )
 
     def loss_weight(self, own: int, block: int) -> float:
         """What a rank's mean loss over ``own`` samples is multiplied by so that the average over
@@ -158,24 +211,24 @@ class Balancer:
         Returns the change (step, speeds, split) when the split changed."""
         if self.timer is None:
             return None
-        seconds, samples = self.timer.take()
+        seconds, samples, wall = self.timer.take()
         self._steps += 1
         if self._steps <= WARMUP_STEPS:
             self.timer.restart()
             return None
-        mine = torch.zeros(self.world_size, 2, dtype=torch.float64)
-        mine[rank] = torch.tensor([seconds, samples], dtype=torch.float64)
+        mine = torch.zeros(self.world_size, 3, dtype=torch.float64)
+        mine[rank] = torch.tensor([seconds, samples, wall], dtype=torch.float64)
         both = all_reduce_sum(mine)
         self.timer.restart()  # after the collective: its wait for the slowest rank is not compute
+        if self._probe is not None:
+            return self._probe_step(step, both, rank)
         self._window.append(both)
         if len(self._window) < MEASURE_STEPS:
             return None
         # throughput over the whole window: a rank that stalls now and then (a throttled or shared
         # device) is as slow as its stalls make it, which a median of steps would hide
-        totals = torch.stack(list(self._window)).sum(0).tolist()
-        speeds = [float(n) / max(float(t), 1e-12) for t, n in totals]
+        speeds = _speeds(torch.stack(list(self._window)).sum(0))
         fractions = [s / math.fsum(speeds) for s in speeds]
-        split = split_batch(self.global_micro_batch, speeds)
         refined = False
         if self._reference is not None and not self._moved(fractions):
             # no rank's speed moved by the factor. Shortly after a change, take a split that evens
@@ -184,17 +237,28 @@ class Balancer:
             if self._refines:
                 if not self._uneven(speeds, REFINE_TOLERANCE):
                     self._refines = 0
+                    self._settled(speeds)
                     return None
                 self._refines -= 1
             elif self._uneven(speeds, DRIFT_TOLERANCE):
                 self._refines = REFINE_WINDOWS  # measured at the old shares: refined as after a change
             else:
+                self._settled(speeds)
                 return None
             refined = True
-        else:
+        return self._change(step, speeds, fractions, rank, refined)
+
+    def _change(
+        self, step: int, speeds: list[float], fractions: list[float], rank: int, refined: bool
+    ) -> dict[str, Any] | None:
+        """Split by the measured ``speeds`` (corrected by the last probe unless they moved by the factor)."""
+        if not refined:
+            self.corrections = [1.0] * self.world_size  # a new situation: what a probe found no longer holds
             self._refines = REFINE_WINDOWS
+        self._probe_due = True
         self._reference = fractions
         self._window.clear()
+        split = split_batch(self.global_micro_batch, self._corrected(speeds))
         if split == self.split:
             return None
         self.split = split
@@ -205,11 +269,95 @@ class Balancer:
                      " (refined)" if refined else "", ", ".join(f"{s:.1f}" for s in speeds), split)  # fmt: skip
         return change
 
+    def _settled(self, speeds: list[float]) -> None:
+        """The split holds still: probe its neighbours if no probe has since the last change."""
+        if not self._probe_due:
+            return
+        self._probe_due = False
+        self._window.clear()
+        self._next_comparison(self.split, self.split, -1, 0, speeds)
+
+    def _next_comparison(
+        self, start: list[int], base: list[int], direction: int, kept: int, speeds: list[float]
+    ) -> bool:
+        """Begin comparing ``base`` with its neighbour in ``direction``; False when it has none."""
+        slow = min(range(self.world_size), key=lambda r: speeds[r])
+        fast = max(range(self.world_size), key=lambda r: speeds[r])
+        delta = max(1, round(PROBE_FRACTION * base[slow]))
+        candidate = list(base)
+        candidate[slow] += direction * delta
+        candidate[fast] -= direction * delta
+        if slow == fast or min(candidate) < 1:
+            return False
+        self._probe = _Probe(start=start, base=base, candidate=candidate, direction=direction, kept=kept)
+        self.split = candidate  # the candidate's turn first
+        return True
+
+    def _probe_step(self, step: int, both: torch.Tensor, rank: int) -> dict[str, Any] | None:
+        """One step of a probe: add it to the turn; at a turn's end, switch splits or decide."""
+        probe = self._probe
+        assert probe is not None
+        probe.turn = both if probe.turn is None else probe.turn + both
+        probe.steps += 1
+        if probe.steps < PROBE_STEPS:
+            return None
+        turn, candidate = probe.turn, probe.turns % 2 == 0
+        probe.turn, probe.steps = None, 0
+        probe.turns += 1
+        probe.wall[candidate] += float(turn[:, 2].max())
+        probe.counted[candidate] += PROBE_STEPS
+        speeds = _speeds(turn)
+        fractions = [s / math.fsum(speeds) for s in speeds]
+        if self._reference is not None and self._moved(fractions):
+            self._probe = None  # a rank's speed changed by the factor: split again at once
+            return self._change(step, speeds, fractions, rank, refined=False)
+        if probe.turns < 2 * PROBE_ROUNDS:
+            self.split = probe.base if candidate else probe.candidate
+            return None
+        rates = {c: probe.counted[c] / max(probe.wall[c], 1e-12) for c in (False, True)}
+        if rank == 0:
+            log.debug("balance probe at step %d: steps/s %.3f at %s, %.3f at %s", step,
+                      rates[False], probe.base, rates[True], probe.candidate)  # fmt: skip
+        self._probe = None
+        if rates[True] > rates[False] * (1 + PROBE_MARGIN):
+            kept = probe.kept + 1
+            if kept < PROBE_MOVES and self._next_comparison(
+                probe.start, probe.candidate, probe.direction, kept, speeds
+            ):
+                return None
+            return self._probed(step, probe.start, probe.candidate, speeds, rank)
+        if (
+            probe.kept == 0
+            and probe.direction < 0
+            and self._next_comparison(probe.start, probe.base, 1, 0, speeds)
+        ):
+            return None
+        return self._probed(step, probe.start, probe.base, speeds, rank)
+
+    def _probed(
+        self, step: int, start: list[int], split: list[int], speeds: list[float], rank: int
+    ) -> dict[str, Any] | None:
+        """A probe's end: ``split`` stays, and the speeds are corrected to give it."""
+        self.split = split
+        if split == start:
+            return None
+        self.corrections = [c * n / s for c, n, s in zip(self.corrections, split, start, strict=True)]
+        change = {"step": step, "speeds": [round(s, 3) for s in speeds], "split": split, "refined": False,
+                  "probed": True}  # fmt: skip
+        self.changes.append(change)
+        if rank == 0:
+            log.info("balance at step %d (probed): micro-batches %s ran faster than %s", step, split, start)
+        return change
+
+    def _corrected(self, speeds: list[float]) -> list[float]:
+        return [s * c for s, c in zip(speeds, self.corrections, strict=True)]
+
     def _uneven(self, speeds: list[float], tolerance: float) -> bool:
         """Whether, at the split in use and the ``speeds`` (samples/s) measured at it, the slowest
         rank's compute took more than ``tolerance`` longer than an even split's would. A criterion
         in time, not in samples: a small move of a slow rank's small share can be a large part of
         its time."""
+        speeds = self._corrected(speeds)
         times = [n / max(s, 1e-12) for n, s in zip(self.split, speeds, strict=True)]
         even = self.global_micro_batch / max(math.fsum(speeds), 1e-12)
         return max(times) > even * (1 + tolerance)
@@ -226,7 +374,11 @@ class Balancer:
             self.timer = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"split": list(self.split), "reference": self._reference}
+        return {
+            "split": list(self.split),
+            "reference": self._reference,
+            "corrections": list(self.corrections),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """With ``auto``, continue with the saved split when it fits this job (the same global
@@ -235,3 +387,10 @@ class Balancer:
         if self.auto and len(split) == self.world_size and sum(split) == self.global_micro_batch:
             self.split = split
             self._reference = state["reference"]
+            self.corrections = [float(c) for c in state.get("corrections", [1.0] * self.world_size)]
+            self._probe_due = True
+
+
+def _speeds(totals: torch.Tensor) -> list[float]:
+    """Samples per second of compute, per rank, from summed (compute seconds, samples, wall) rows."""
+    return [float(n) / max(float(t), 1e-12) for t, n in totals[:, :2].tolist()]

@@ -127,6 +127,8 @@ class StepMonitor:
         }
         if record.balance is not None:
             line["balance"] = {"speeds": record.balance["speeds"], "split": record.balance["split"]}
+            if record.balance.get("probed"):
+                line["balance"]["probed"] = True  # kept for its steps' time, not from the speeds
         if record.stragglers is not None:
             line["stragglers"] = record.stragglers
         self._metrics.write(json.dumps(line) + "\n")

@@ -122,7 +122,7 @@ def train(group: str, balance: str, steps: int, micro: int, accumulation: int) -
     timed_from: int | None = None
     start = whole_start = 0.0
     while timed_from is None or engine.global_steps < timed_from + steps:
-        if engine.global_steps == first:
+        if engine.global_steps == first and not whole_start:  # once: a step is several micro-steps
             dist.barrier()
             whole_start = time.perf_counter()
         if (

@@ -129,15 +129,10 @@ def measure_peak(
     model: str, time_steps: int, chunk: int | str, budget: float | None, batch: int, size: int
 ) -> dict[str, Any]:
     """The peak memory of one training step, in this (fresh) process."""
-    import torch
 
     engine, step = training_step(model, time_steps, chunk, budget, batch, size)
     if engine.device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        peak = torch.cuda.max_memory_allocated() - before
+        peak = cuda_peak(step)
     else:
         before = _rss()
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
@@ -146,6 +141,17 @@ def measure_peak(
     chosen = engine.module.checkpoint_fn.func.choices if chunk == "auto" else {}
     engine.close()
     return {"peak_mib": peak / 2**20, "chosen": [c.steps_per_chunk for c in chosen.values()]}
+
+
+def cuda_peak(step: Callable[[], None]) -> int:
+    """Bytes the CUDA allocator held at its peak during ``step()`` above what it held before."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    return torch.cuda.max_memory_allocated() - before
 
 
 def measure_times(
@@ -192,11 +198,7 @@ def in_process(
         for chunk in chunks:
             engine, step = training_step(model, t, chunk, None, batch, size)
             step()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-            step()
-            peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+            peak = cuda_peak(step) / 2**20
             times = []
             for _ in range(steps):
                 start = time.perf_counter()

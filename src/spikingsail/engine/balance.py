@@ -131,7 +131,7 @@ class _Probe:
     """Turns (of ``PROBE_STEPS`` steps) done in this comparison; even: the candidate's."""
     steps: int = 0
     wall: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
-    counted: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})
+    """Seconds of the base's (False) and the candidate's (True) turns; each runs ``PROBE_ROUNDS`` turns."""
     turn: torch.Tensor | None = None
     """This turn's per-rank (compute seconds, samples, wall seconds), summed over its steps."""
 
@@ -159,7 +159,7 @@ class Balancer:
         self._steps = 0
         self._window: deque[torch.Tensor] = deque(
             maxlen=MEASURE_STEPS
-        )  # per step: [rank, (seconds, samples)]
+        )  # per step: [rank, (compute seconds, samples, wall seconds)]
         self._reference: list[float] | None = None  # the speed fractions the split was made from
         self._refines = 0
         self.corrections = [1.0] * world_size
@@ -305,7 +305,6 @@ class Balancer:
         probe.turn, probe.steps = None, 0
         probe.turns += 1
         probe.wall[candidate] += float(turn[:, 2].max())
-        probe.counted[candidate] += PROBE_STEPS
         speeds = _speeds(turn)
         fractions = [s / math.fsum(speeds) for s in speeds]
         if self._reference is not None and self._moved(fractions):
@@ -314,7 +313,7 @@ class Balancer:
         if probe.turns < 2 * PROBE_ROUNDS:
             self.split = probe.base if candidate else probe.candidate
             return None
-        rates = {c: probe.counted[c] / max(probe.wall[c], 1e-12) for c in (False, True)}
+        rates = {c: PROBE_ROUNDS * PROBE_STEPS / max(probe.wall[c], 1e-12) for c in (False, True)}
         if rank == 0:
             log.debug("balance probe at step %d: steps/s %.3f at %s, %.3f at %s", step,
                       rates[False], probe.base, rates[True], probe.candidate)  # fmt: skip

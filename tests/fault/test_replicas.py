@@ -7,6 +7,7 @@ import collections
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -201,6 +202,67 @@ def test_the_lighthouse_killed_mid_run_is_started_again_and_training_goes_on(tmp
     assert_trained_as_one_process(out, tmp_path)
 
 
+def test_a_lighthouse_port_taken_after_it_was_chosen_is_replaced_before_the_groups_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """free_port's port can be taken before the lighthouse binds it (it is an ephemeral port that
+    another process's socket may get): the lighthouse ends at once, and the groups, started with its
+    address, would wait for it until torchft's connect timeout and fail. sail launch sees it end,
+    chooses another port, and starts the groups only once the lighthouse answers."""
+    from spikingsail.cli import launch as cli_launch
+    from spikingsail.launchers import replicas
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    ports = iter([port])
+    monkeypatch.setattr(replicas, "free_port", lambda: next(ports, None) or _free())
+    monkeypatch.setattr(cli_launch, "free_port", replicas.free_port)
+    script = tmp_path / "reach.py"
+    script.write_text(
+        "import os, urllib.request\n"
+        "address = os.environ['TORCHFT_LIGHTHOUSE']\n"
+        "status = urllib.request.urlopen(address + '/status', timeout=5).read().decode()\n"
+        f"open({str(tmp_path)!r} + '/group-' + os.environ['REPLICA_GROUP_ID'], 'w').write(address + ' ' + status)\n"
+    )
+    with taken, caplog.at_level("WARNING"):
+        status = cli_launch.run(["--ft-replicas", "2", "-n", "1", "--max-restarts", "0", str(script)])
+    assert status == 0
+    assert f"could not listen on port {port}" in caplog.text
+    reached = [(tmp_path / f"group-{g}").read_text() for g in range(2)]
+    assert all("quorum" in text for text in reached)
+    assert reached[0].split()[0] == reached[1].split()[0] != f"http://127.0.0.1:{port}"
+
+
+def test_a_lighthouse_that_never_answers_is_a_clear_error(tmp_path: Path) -> None:
+    from spikingsail.launchers.command import LaunchCommand
+    from spikingsail.launchers.replicas import start_lighthouse
+
+    plan = ReplicaPlan(groups=2, heartbeat_timeout_ms=1000, join_timeout_ms=10000, lighthouse_port=_free())
+    program = f"import time; time.sleep(60)  # {tmp_path}"
+    silent = LaunchCommand(host="localhost", argv=[sys.executable, "-c", program])
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match=f"did not answer at 127.0.0.1:{plan.lighthouse_port} within 1 s"):
+        start_lighthouse(silent, plan, within=1.0)
+    assert time.monotonic() - started < 10
+    left = [p for p in Path("/proc").glob("[0-9]*/cmdline") if str(tmp_path).encode() in _read(p)]
+    assert not left, "the lighthouse that did not answer was left running"
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:  # ended meanwhile
+        return b""
+
+
+def _free() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def test_a_groups_killed_agent_is_started_again_and_its_orphaned_worker_ends(tmp_path: Path) -> None:
     """SIGKILL leaves a torchrun agent's workers running; group 1's worker ends itself, and sail
     launch starts the group again, which heals from group 0."""
@@ -269,7 +331,7 @@ def test_launch_plans_the_lighthouse_and_one_agent_per_group(
     )
     plan = ReplicaPlan(groups=3, heartbeat_timeout_ms=1000, join_timeout_ms=10000, lighthouse_port=29999)
     lighthouse, *groups = plan_replica_groups(request, plan)
-    assert Path(lighthouse.argv[0]).name == "torchft_lighthouse"
+    assert lighthouse.argv[0] == sys.executable and Path(lighthouse.argv[1]).name == "torchft_lighthouse.py"
     assert lighthouse.argv[lighthouse.argv.index("--bind") + 1] == "127.0.0.1:29999"
     assert [c.env["REPLICA_GROUP_ID"] for c in groups] == ["0", "1", "2"]
     for command in groups:

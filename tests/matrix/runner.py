@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -107,6 +108,19 @@ def _run_replica_cell(cell: Cell, spec: dict[str, Any]) -> dict[str, Any]:
         return _groups(spec_file, cell, "resume", checkpoints, Path(tmp) / "resume")
 
 
+AGENT_TRACEBACK = re.compile(
+    r"Traceback \(most recent call last\):\n(?:[ \t].*\n)*?.*torch/distributed/run\.py.*\n"
+    r"(?:[ \t].*\n)*.*ChildFailedError: *\n=+\n(?:.*\n)*?=+\n"
+)
+"""A torchrun agent's own traceback and table, the same for every failure."""
+
+
+def _without_agents(stderr: str, keep: int = 6000) -> str:
+    """The end of ``stderr`` less the torchrun agents' tracebacks, which would crowd out the
+    workers' errors before them."""
+    return AGENT_TRACEBACK.sub("", stderr)[-keep:]
+
+
 def _groups(spec_file: Path, cell: Cell, phase: str, checkpoints: str, out: Path) -> dict[str, Any]:
     out.mkdir()
     command = [sys.executable, "-m", "spikingsail.cli.main", "launch", "--ft-replicas", str(WORLD), "-n", "1",
@@ -119,7 +133,7 @@ def _groups(spec_file: Path, cell: Cell, phase: str, checkpoints: str, out: Path
     if done.returncode != 0:  # only the SIGKILL interruption may end a phase with a failure
         killed = phase == "first" and cell.interruption == "sigkill"
         assert killed, (
-            f"{cell.id} {phase}: status {done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+            f"{cell.id} {phase}: status {done.returncode}\n{done.stdout[-2000:]}{_without_agents(done.stderr)}"
         )
         return {"killed": True}
     results = [torch.load(out / f"result-{group}.pt") for group in range(WORLD)]

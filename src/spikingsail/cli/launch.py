@@ -7,6 +7,7 @@ import sys
 
 from spikingsail.errors import LaunchError
 from spikingsail.launchers import launcher_for, plan
+from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.failure import Failure
 from spikingsail.launchers.local import run_local
 from spikingsail.launchers.preflight import check_hosts
@@ -17,11 +18,14 @@ from spikingsail.launchers.replicas import (
     group_requests,
     plan_replica_groups,
     run_replica_groups,
+    start_lighthouse,
 )
 from spikingsail.launchers.request import LaunchRequest, parse_request
 from spikingsail.launchers.supervisor import supervise
 
 log = logging.getLogger(__name__)
+
+LIGHTHOUSE_PORT_TRIES = 5
 
 
 def run(argv: list[str]) -> int:
@@ -59,15 +63,7 @@ def run_request(request: LaunchRequest) -> int:
 
 
 def _run_replica_groups(request: LaunchRequest) -> int:
-    heartbeat_ms = max(1, round(request.ft_heartbeat_timeout * 1000))
-    replicas = ReplicaPlan(
-        groups=request.ft_replicas,
-        heartbeat_timeout_ms=heartbeat_ms,
-        join_timeout_ms=max(10 * heartbeat_ms, 10_000),
-        lighthouse_port=free_port(),
-        lighthouse_host=address_towards([n.host for n in request.nodes]) if request.nodes else "127.0.0.1",
-    )
-    commands = plan_replica_groups(request, replicas)
+    replicas, commands = _plan_replica_groups(request)
     if request.dry_run:
         print(commands[0].render())
         if request.nodes:
@@ -79,6 +75,19 @@ def _run_replica_groups(request: LaunchRequest) -> int:
             for command in commands[1:]:
                 print(command.render())
         return 0
+    for _ in range(LIGHTHOUSE_PORT_TRIES):
+        lighthouse = start_lighthouse(commands[0], replicas)
+        if lighthouse is not None:
+            break
+        log.warning("torchft's lighthouse could not listen on port %d (taken since it was chosen, see "
+                    "above): choosing another", replicas.lighthouse_port)  # fmt: skip
+        replicas, commands = _plan_replica_groups(request)
+    else:
+        raise LaunchError(
+            f"torchft's lighthouse ended at its start {LIGHTHOUSE_PORT_TRIES} times, on as many free ports",
+            "the replica groups form each step's quorum through it",
+            "see its error above",
+        )
     where = (
         f"over {len(request.nodes)} nodes ({len(request.nodes) // replicas.groups} per group)"
         if request.nodes
@@ -87,7 +96,20 @@ def _run_replica_groups(request: LaunchRequest) -> int:
     log.info("launching %d replica groups of %s process(es) per node %s with torchft's lighthouse at %s:%d",
              replicas.groups, request.nproc_per_node, where, replicas.lighthouse_host,
              replicas.lighthouse_port)  # fmt: skip
-    return run_replica_groups(commands, request.max_restarts)
+    return run_replica_groups(commands, lighthouse, request.max_restarts)
+
+
+def _plan_replica_groups(request: LaunchRequest) -> tuple[ReplicaPlan, list[LaunchCommand]]:
+    """The lighthouse on a port free now, and the groups that reach it there."""
+    heartbeat_ms = max(1, round(request.ft_heartbeat_timeout * 1000))
+    replicas = ReplicaPlan(
+        groups=request.ft_replicas,
+        heartbeat_timeout_ms=heartbeat_ms,
+        join_timeout_ms=max(10 * heartbeat_ms, 10_000),
+        lighthouse_port=free_port(),
+        lighthouse_host=address_towards([n.host for n in request.nodes]) if request.nodes else "127.0.0.1",
+    )
+    return replicas, plan_replica_groups(request, replicas)
 
 
 def _rendezvous(request: LaunchRequest, reached: list[str]) -> tuple[str, int] | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import importlib.util
 import logging
 import os
 import pickle
@@ -27,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -41,6 +43,8 @@ from spikingsail.launchers.torchrun_args import count
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.2
+LIGHTHOUSE_START_SECONDS = 30.0
+LIGHTHOUSE_POLL_SECONDS = 0.05
 GROUP_LAUNCHERS = ("ssh", "pdsh")
 """Launchers that start a group's torchrun agents on its nodes (one agent per node, as torchft needs)."""
 ENV_GROUP_REQUEST = "SPIKINGSAIL_GROUP_REQUEST"
@@ -210,14 +214,49 @@ def _check(request: LaunchRequest, replicas: ReplicaPlan) -> None:
 
 
 def lighthouse_argv(replicas: ReplicaPlan) -> list[str]:
-    """The lighthouse listens only on the address the groups reach it at."""
-    program = Path(sys.executable).parent / "torchft_lighthouse"
+    """torchft's lighthouse (``torchft_lighthouse.py``), listening only on the address the groups
+    reach it at."""
+    program = Path(__file__).with_name("torchft_lighthouse.py")
     return [
-        str(program), "--min_replicas", "1", "--quorum_tick_ms", "100",
+        sys.executable, str(program), "--min_replicas", "1", "--quorum_tick_ms", "100",
         "--join_timeout_ms", str(replicas.join_timeout_ms),
         "--heartbeat_timeout_ms", str(replicas.heartbeat_timeout_ms),
         "--bind", f"{replicas.lighthouse_host}:{replicas.lighthouse_port}",
     ]  # fmt: skip
+
+
+def start_lighthouse(
+    command: LaunchCommand, replicas: ReplicaPlan, within: float = LIGHTHOUSE_START_SECONDS
+) -> subprocess.Popen[bytes] | None:
+    """Start the lighthouse and return it once it answers on its address; None when it ended first
+    (its port was taken after ``free_port`` chose it: the caller chooses another). A lighthouse that
+    cannot listen would otherwise leave the groups waiting for it until torchft's connect timeout."""
+    if importlib.util.find_spec("torchft") is None:
+        raise LaunchError(
+            f"torchft is not installed in {sys.prefix}",
+            "--ft-replicas runs torchft: its lighthouse forms each step's quorum",
+            "install the pinned torchft (scripts/setup.sh does), or launch without --ft-replicas",
+        )
+    address = f"{replicas.lighthouse_host}:{replicas.lighthouse_port}"
+    lighthouse = _start(command)
+    deadline = time.monotonic() + within
+    while lighthouse.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://{address}/status", timeout=1) as answer:
+                if b"quorum" in answer.read():  # its status page, not another program on the port
+                    return lighthouse
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            lighthouse.kill()
+            lighthouse.wait()
+            raise LaunchError(
+                f"torchft's lighthouse did not answer at {address} within {within:.0f} s",
+                "the replica groups form each step's quorum through it",
+                "check that nothing on this machine blocks that address (a firewall), then launch again",
+            )
+        time.sleep(LIGHTHOUSE_POLL_SECONDS)
+    return None
 
 
 def address_towards(hosts: list[str]) -> str:
@@ -259,19 +298,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_replica_groups(commands: list[LaunchCommand], restarts: int = 0) -> int:
-    """Start the lighthouse and the groups; start the lighthouse again whenever it dies while a
-    group runs, and a group that failed (its agent or a node of it lost) up to ``restarts`` times
-    while another group runs (it heals from that group); pass signals on to the groups. Returns the
-    first failing group's status (0: all ended well)."""
+def run_replica_groups(
+    commands: list[LaunchCommand], lighthouse: subprocess.Popen[bytes], restarts: int = 0
+) -> int:
+    """Start the groups (``lighthouse``, already serving, is ``start_lighthouse``'s); start the
+    lighthouse again whenever it dies while a group runs, and a group that failed (its agent or a
+    node of it lost) up to ``restarts`` times while another group runs (it heals from that group);
+    pass signals on to the groups. Returns the first failing group's status (0: all ended well)."""
     lighthouse_command, *groups = commands
-    if not Path(lighthouse_command.argv[0]).exists():
-        raise LaunchError(
-            f"torchft's lighthouse is not installed ({lighthouse_command.argv[0]})",
-            "--ft-replicas runs torchft: its lighthouse forms each step's quorum",
-            "install the pinned torchft (scripts/setup.sh does), or launch without --ft-replicas",
-        )
-    lighthouse = _start(lighthouse_command)
     agents = [_start(command) for command in groups]
     started = [1] * len(agents)
     received: list[int] = []

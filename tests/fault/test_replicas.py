@@ -223,7 +223,8 @@ def test_a_lighthouse_port_taken_after_it_was_chosen_is_replaced_before_the_grou
     script.write_text(
         "import os, urllib.request\n"
         "address = os.environ['TORCHFT_LIGHTHOUSE']\n"
-        "status = urllib.request.urlopen(address + '/status', timeout=5).read().decode()\n"
+        "direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))\n"
+        "status = direct.open(address + '/status', timeout=5).read().decode()\n"
         f"open({str(tmp_path)!r} + '/group-' + os.environ['REPLICA_GROUP_ID'], 'w').write(address + ' ' + status)\n"
     )
     with taken, caplog.at_level("WARNING"):
@@ -233,6 +234,25 @@ def test_a_lighthouse_port_taken_after_it_was_chosen_is_replaced_before_the_grou
     reached = [(tmp_path / f"group-{g}").read_text() for g in range(2)]
     assert all("quorum" in text for text in reached)
     assert reached[0].split()[0] == reached[1].split()[0] != f"http://127.0.0.1:{port}"
+
+
+def test_the_lighthouse_is_reached_directly_whatever_the_shells_proxy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from spikingsail.launchers.command import LaunchCommand
+    from spikingsail.launchers.replicas import lighthouse_argv, start_lighthouse
+
+    for name in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    plan = ReplicaPlan(groups=2, heartbeat_timeout_ms=1000, join_timeout_ms=10000, lighthouse_port=_free())
+    lighthouse = start_lighthouse(
+        LaunchCommand(host="localhost", argv=lighthouse_argv(plan)), plan, within=20
+    )
+    assert lighthouse is not None and lighthouse.poll() is None
+    lighthouse.kill()
+    lighthouse.wait()
 
 
 def test_a_lighthouse_that_never_answers_is_a_clear_error(tmp_path: Path) -> None:

@@ -225,6 +225,10 @@ def lighthouse_argv(replicas: ReplicaPlan) -> list[str]:
     ]  # fmt: skip
 
 
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""Straight to the lighthouse, never through the shell's http_proxy (a cluster's often is set)."""
+
+
 def start_lighthouse(
     command: LaunchCommand, replicas: ReplicaPlan, within: float = LIGHTHOUSE_START_SECONDS
 ) -> subprocess.Popen[bytes] | None:
@@ -242,7 +246,7 @@ def start_lighthouse(
     deadline = time.monotonic() + within
     while lighthouse.poll() is None:
         try:
-            with urllib.request.urlopen(f"http://{address}/status", timeout=1) as answer:
+            with _DIRECT.open(f"http://{address}/status", timeout=1) as answer:
                 if b"quorum" in answer.read():  # its status page, not another program on the port
                     return lighthouse
         except OSError:

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from spikingsail.errors import ConfigError, LaunchError
-from spikingsail.launchers.replicas import ReplicaPlan, plan_replica_groups
+from spikingsail.launchers.replicas import ReplicaPlan, free_port, plan_replica_groups
 from spikingsail.launchers.request import parse_request
+from tests.cluster.harness import processes_with
 
 pytestmark = pytest.mark.multiprocess
 
@@ -216,8 +217,8 @@ def test_a_lighthouse_port_taken_after_it_was_chosen_is_replaced_before_the_grou
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     port = taken.getsockname()[1]
-    ports = iter([port])
-    monkeypatch.setattr(replicas, "free_port", lambda: next(ports, None) or _free())
+    ports, free = iter([port]), replicas.free_port
+    monkeypatch.setattr(replicas, "free_port", lambda: next(ports, None) or free())
     monkeypatch.setattr(cli_launch, "free_port", replicas.free_port)
     script = tmp_path / "reach.py"
     script.write_text(
@@ -246,7 +247,9 @@ def test_the_lighthouse_is_reached_directly_whatever_the_shells_proxy(
         monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
     monkeypatch.delenv("no_proxy", raising=False)
     monkeypatch.delenv("NO_PROXY", raising=False)
-    plan = ReplicaPlan(groups=2, heartbeat_timeout_ms=1000, join_timeout_ms=10000, lighthouse_port=_free())
+    plan = ReplicaPlan(
+        groups=2, heartbeat_timeout_ms=1000, join_timeout_ms=10000, lighthouse_port=free_port()
+    )
     lighthouse = start_lighthouse(
         LaunchCommand(host="localhost", argv=lighthouse_argv(plan)), plan, within=20
     )
@@ -259,28 +262,16 @@ def test_a_lighthouse_that_never_answers_is_a_clear_error(tmp_path: Path) -> Non
     from spikingsail.launchers.command import LaunchCommand
     from spikingsail.launchers.replicas import start_lighthouse
 
-    plan = ReplicaPlan(groups=2, heartbeat_timeout_ms=1000, join_timeout_ms=10000, lighthouse_port=_free())
+    plan = ReplicaPlan(
+        groups=2, heartbeat_timeout_ms=1000, join_timeout_ms=10000, lighthouse_port=free_port()
+    )
     program = f"import time; time.sleep(60)  # {tmp_path}"
     silent = LaunchCommand(host="localhost", argv=[sys.executable, "-c", program])
     started = time.monotonic()
     with pytest.raises(LaunchError, match=f"did not answer at 127.0.0.1:{plan.lighthouse_port} within 1 s"):
         start_lighthouse(silent, plan, within=1.0)
     assert time.monotonic() - started < 10
-    left = [p for p in Path("/proc").glob("[0-9]*/cmdline") if str(tmp_path).encode() in _read(p)]
-    assert not left, "the lighthouse that did not answer was left running"
-
-
-def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError:  # ended meanwhile
-        return b""
-
-
-def _free() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    assert not processes_with(str(tmp_path)), "the lighthouse that did not answer was left running"
 
 
 def test_a_groups_killed_agent_is_started_again_and_its_orphaned_worker_ends(tmp_path: Path) -> None:
@@ -493,7 +484,7 @@ def _child_with(pid: int, needle: str) -> int:
 
 
 def _lighthouse() -> tuple[subprocess.Popen[bytes], str]:
-    from spikingsail.launchers.replicas import free_port, lighthouse_argv
+    from spikingsail.launchers.replicas import lighthouse_argv
 
     port = free_port()
     argv = lighthouse_argv(

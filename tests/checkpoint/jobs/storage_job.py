@@ -5,8 +5,9 @@
 
 --fill-at S: after step S-1, rank 0 fills the checkpoint directory's filesystem with a file beside
 it (``DIR/../filler``) until half a checkpoint is free, so that the save at step S runs out of space
-mid-write; --free-at T removes it after step T-1; --signal-at S preempts (SIGTERM) before step S. --fault remount-ro remounts the filesystem read-only
-after step S-1; --fault delete deletes DIR. Each rank writes OUT/rankR.json with a digest of its
+mid-write; --free-at T removes it after step T-1, once a save still writing in the background has
+ended; --signal-at S preempts (SIGTERM) before step S. --fault remount-ro remounts the filesystem
+read-only after step S-1; --fault delete deletes DIR. Each rank writes OUT/rankR.json with a digest of its
 parameters (its shard, under FSDP) and the step it started at; OUT/progressR holds the last step.
 """
 
@@ -95,6 +96,8 @@ def before_step(engine: spikingsail.Engine, args: argparse.Namespace, root: Path
         with filler.open("wb") as handle:
             handle.write(b"\0" * max(0, stat.free - size // 2))
     if step == args.free_at:
+        # not while the save at --fill-at may still be writing in the background: it would find room
+        engine.wait_for_checkpoint()
         filler.unlink()
     if step == args.fault_at and args.fault == "remount-ro":
         subprocess.run(["mount", "-o", "remount,ro", str(root.parent)], check=True)

@@ -51,13 +51,11 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from spikingsail.config.schema import FaultToleranceConfig, SailConfig
 from spikingsail.data.sampler import split_batch
 from spikingsail.environments import RankInfo
+from spikingsail.environments.replica_groups import ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, address_on_route_to
 from spikingsail.errors import ConfigError, SailError
 
 log = logging.getLogger(__name__)
 
-ENV_GROUP = "REPLICA_GROUP_ID"
-ENV_GROUPS = "NUM_REPLICA_GROUPS"
-ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
 AGENT_WATCH_SECONDS = 0.5
 
 
@@ -389,14 +387,6 @@ def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
             last.append(grad)
             size += nbytes
     return buckets
-
-
-def address_on_route_to(host: str, port: int) -> str:
-    """This machine's address on its route to ``host`` (IPv4): a UDP connect sends nothing, it only
-    picks the route. Raises ``OSError`` when there is none."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, port))
-        return str(probe.getsockname()[0])
 
 
 def address_towards_lighthouse(lighthouse: str) -> str:

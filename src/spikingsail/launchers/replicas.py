@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from spikingsail.engine.replicas import ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, address_on_route_to
+from spikingsail.environments.replica_groups import ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, address_on_route_to
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.command import FORWARDED, LaunchCommand, python_module
 from spikingsail.launchers.lifeline import die_with_this_process

@@ -53,6 +53,10 @@ class Backend(ABC):
         self.rank_info = rank_info
         self.device = torch.device("cpu")
         self.precision = Precision(self.device)
+        self.rank_buffers = False
+        """True where each rank keeps its own buffers between the points that make them rank 0's
+        (DDP without a broadcast at every forward): a checkpoint then also holds each rank's own
+        (``rank_buffers/rankR.pt``), and a resume on as many ranks gives each rank its own back."""
 
     @abstractmethod
     def setup(self) -> torch.device:
@@ -149,15 +153,19 @@ class Backend(ABC):
         whichever rank it picks: rank 0's are given to every rank first, so the checkpoint holds
         them and every rank continues from them, in the run that saved as in one that resumes
         (DDP does the same at every forward; DeepSpeed saves rank 0's)."""
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            with torch.no_grad():
-                for buffer in persistent_buffers(module):
-                    dist.broadcast(buffer, src=0)
-        state = dcp_io.state_to_save(module, optimizer)
+        state = self.state_to_save(module, optimizer)
         if background:
             return dcp_io.async_save(state, directory, group)
         dcp_io.save(state, directory, group)
         return None
+
+    def state_to_save(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The state DCP writes, every rank's buffers made rank 0's first (collective)."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            with torch.no_grad():
+                for buffer in persistent_buffers(module):
+                    dist.broadcast(buffer, src=0)
+        return dcp_io.state_to_save(module, optimizer)
 
     def load_state(
         self,

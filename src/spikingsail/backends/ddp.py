@@ -18,14 +18,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
 
 from spikingsail.backends.process_group import ProcessGroupBackend
+from spikingsail.checkpoint import dcp_io
 from spikingsail.config.schema import SailConfig
 from spikingsail.environments import RankInfo
 from spikingsail.errors import BackendError
 
 log = logging.getLogger(__name__)
+
+# DDP's switch for the buffer broadcast before every forward (renamed in torch 2.14)
+_FORWARD_SYNC = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else "broadcast_buffers"
+)
 
 
 class DDPBackend(ProcessGroupBackend):
@@ -36,6 +46,9 @@ class DDPBackend(ProcessGroupBackend):
         super().__init__(config, rank_info)
         self.ddp: DistributedDataParallel | None = None
         self.zero: ZeroRedundancyOptimizer | None = None
+        self._norms: list[_BatchNorm] = []
+        self._diverged = False
+        self._eval_hook: RemovableHandle | None = None
 
     def wrap(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
@@ -43,11 +56,18 @@ class DDPBackend(ProcessGroupBackend):
         if not self.rank_info.distributed:
             return model, optimizer
         device = next(model.parameters()).device
+        norms = _batch_norms_holding_every_buffer(model)
+        self.rank_buffers = norms is not None
+        no_forward_sync: dict[str, Any] = {_FORWARD_SYNC: False} if norms is not None else {}
         self.ddp = DistributedDataParallel(
             model,
             device_ids=[device] if device.type == "cuda" else None,
             find_unused_parameters=self.config.sail.find_unused_parameters,
+            **no_forward_sync,
         )
+        if norms is not None:
+            self._norms = norms
+            self._eval_hook = self.ddp.register_forward_pre_hook(self._rank_zero_statistics_for_eval)
         if self.config.zero_optimization.stage == 1:
             optimizer = self.zero = _zero_redundancy(optimizer, self.config.source)
             if self.rank_info.is_rank_zero:
@@ -90,6 +110,34 @@ class DDPBackend(ProcessGroupBackend):
         with _without_empty_groups(local):
             super().load_state(module, local, directory, group)
 
+    def _rank_zero_statistics_for_eval(self, module: torch.nn.Module, args: Any) -> None:
+        """Batch-norm running statistics are not broadcast before every forward (DDP's default: one
+        collective per micro-step): a training forward uses the batch's own statistics and only
+        updates each rank's running ones. Before a forward that reads them (a batch norm in eval
+        mode), every rank takes rank 0's, as that broadcast would have given them."""
+        if self._diverged and any(not norm.training for norm in self._norms):
+            assert self.ddp is not None, "the hook is removed at teardown"
+            with torch.no_grad():
+                self.ddp._default_broadcast_coalesced(authoritative_rank=0)  # type: ignore[no-untyped-call]
+            self._diverged = False
+        if any(norm.training for norm in self._norms):
+            self._diverged = True
+
+    def state_to_save(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if not self.rank_buffers:
+            return super().state_to_save(module, optimizer)
+        # rank 0's statistics in the checkpoint (DCP writes one rank's copy of a replicated tensor),
+        # each rank's own left in place: a save changes nothing in the run (each rank's are saved too)
+        state = dcp_io.state_to_save(module, optimizer)
+        buffers = {buffer.data_ptr() for buffer in module.buffers()}
+        with torch.no_grad():
+            for name, value in state["model"].items():  # the live buffers' tensors, by storage
+                if isinstance(value, torch.Tensor) and value.data_ptr() in buffers:
+                    rank_zeros = value.detach().clone()
+                    dist.broadcast(rank_zeros, src=0)
+                    state["model"][name] = rank_zeros
+        return state
+
     def _local(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if self.zero is not None and optimizer is self.zero:
             local: torch.optim.Optimizer = self.zero.optim
@@ -98,6 +146,9 @@ class DDPBackend(ProcessGroupBackend):
 
     def teardown(self) -> None:
         self.zero = None
+        if self._eval_hook is not None:
+            self._eval_hook.remove()
+            self._eval_hook = None
         if self.ddp is not None:
             # DDP's C++ reducer (and the logger sharing it) hold the process group through a
             # binding that keeps the GIL while destroying what it holds. If the reducer ends up
@@ -113,6 +164,17 @@ class DDPBackend(ProcessGroupBackend):
             del self.ddp.process_group
             self.ddp = None
         super().teardown()
+
+
+def _batch_norms_holding_every_buffer(model: torch.nn.Module) -> list[_BatchNorm] | None:
+    """The model's batch norms, when their running statistics are all the buffers it has (anything
+    else a buffer may hold keeps DDP's broadcast before every forward); else None."""
+    norms = [module for module in model.modules() if isinstance(module, _BatchNorm)]
+    theirs = {id(buffer) for norm in norms for buffer in norm.buffers(recurse=False)}
+    every = list(model.buffers())
+    if not every or any(id(buffer) not in theirs for buffer in every):
+        return None
+    return norms
 
 
 def _zero_redundancy(optimizer: torch.optim.Optimizer, where: str) -> ZeroRedundancyOptimizer:

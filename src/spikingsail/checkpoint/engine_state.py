@@ -58,6 +58,11 @@ class StateBackend(Protocol):
     def checkpoint_format(self) -> str:
         """How model and optimizer state is written; checkpoints load only into the same format."""
 
+    @property
+    def rank_buffers(self) -> bool:
+        """Whether each rank's buffers are its own between the points that make them rank 0's: each
+        rank's are then saved beside the state (``rank_buffers/rankR.pt``)."""
+
     def check_can_save(self, mid_window: bool) -> None: ...
 
     def check_can_load(self, directory: Path, saved_world_size: int) -> None: ...
@@ -316,6 +321,9 @@ def load(
         restore_rng(dcp_io.load_weights_only(path / "rng" / f"rank{rank % saved_world}.pt"), training.device)
     if partial_window:
         restore_grads(training.module, dcp_io.load_weights_only(path / "grads" / f"rank{rank}.pt"))
+    own_buffers = path / "rank_buffers" / f"rank{rank}.pt"
+    if saved_world == world_size and own_buffers.is_file():  # else rank 0's, from the state
+        restore_buffers(training.module, dcp_io.load_weights_only(own_buffers))
     _barrier()
     client_state: dict[str, Any] = saved["client_state"]
     return path, client_state
@@ -372,7 +380,7 @@ def _write_own_files(
     *,
     mid_window: bool,
 ) -> None:
-    """This rank's RNG states and partial gradients; on rank 0, ``engine.pt``."""
+    """This rank's RNG states, partial gradients and own buffers; on rank 0, ``engine.pt``."""
     rank = training.rank_info.rank
     (staging / "rng").mkdir(exist_ok=True)
     torch.save(capture_rng(training.device), staging / "rng" / f"rank{rank}.pt")
@@ -380,6 +388,10 @@ def _write_own_files(
         (staging / "grads").mkdir(exist_ok=True)
         grads = {name: p.grad for name, p in training.module.named_parameters() if p.grad is not None}
         torch.save(grads, staging / "grads" / f"rank{rank}.pt")
+    if training.backend.rank_buffers:
+        (staging / "rank_buffers").mkdir(exist_ok=True)
+        own = {name: buffer.detach().cpu().clone() for name, buffer in training.module.named_buffers()}
+        torch.save(own, staging / "rank_buffers" / f"rank{rank}.pt")
     if rank == 0:
         torch.save(_engine_file(training, entries, client_state), staging / "engine.pt")
 
@@ -399,7 +411,7 @@ def _engine_file(
 
 def _files_written_by(staging: Path, rank: int, backend: StateBackend) -> list[Path]:
     own = [staging / "rng" / f"rank{rank}.pt", staging / "grads" / f"rank{rank}.pt",
-           *backend.own_state_files(staging / STATE_DIR, rank)]  # fmt: skip
+           staging / "rank_buffers" / f"rank{rank}.pt", *backend.own_state_files(staging / STATE_DIR, rank)]  # fmt: skip
     if rank == 0:
         own += [staging / "engine.pt", staging / STATE_DIR / dcp_io.METADATA]
     return [path for path in own if path.is_file()]
@@ -427,6 +439,14 @@ def restore_grads(module: torch.nn.Module, grads: dict[str, torch.Tensor | None]
     for name, param in module.named_parameters():
         grad = grads.get(name)
         param.grad = None if grad is None else grad.to(param.device, non_blocking=True)
+
+
+def restore_buffers(module: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """Put back the buffers this rank had when it saved (its own batch-norm statistics)."""
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if name in buffers:
+                buffer.copy_(buffers[name])
 
 
 def capture_rng(device: torch.device) -> dict[str, Any]:

@@ -34,16 +34,25 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.realpath(sys.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # before pytest-xdist starts its workers: they inherit it, and collect the same matrix sample
+    from tests.matrix.cells import session_seed
+
+    session_seed()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``requires_cuda`` tests are skipped, with the reason, where torch sees no GPU."""
+    """``requires_cuda`` tests are skipped, with the reason, where torch sees no GPU. Under
+    pytest-xdist (``--dist loadgroup``) the tests on the namespace cluster share one worker: there is
+    one cluster (its namespaces, addresses and daemons have fixed names)."""
     import torch
 
-    if torch.cuda.is_available():
-        return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False here")
     for item in items:
-        if "requires_cuda" in item.keywords:
+        if "requires_cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
+        if "_cluster_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("cluster"))
 
 
 def pytest_report_header() -> str:

@@ -13,7 +13,7 @@ from tests.cluster.harness import NamespaceCluster
 from tests.cluster.test_ssh_pdsh import SAIL, assert_no_job_left, hostfile
 from tests.monitor.test_hang import JOB, TIMEOUT
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.alone]
 
 
 def test_a_rank_stopped_on_node2_is_named_and_nothing_is_left(

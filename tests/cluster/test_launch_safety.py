@@ -246,6 +246,7 @@ def test_a_second_launch_onto_a_live_jobs_rendezvous_port_is_refused_naming_it(
     assert_no_job_left(cluster)
 
 
+@pytest.mark.alone  # a 3 s heartbeat timeout and a 5 s bound
 @pytest.mark.parametrize("launcher", ["ssh", "pdsh", "mpirun", "horovodrun"])
 def test_a_network_cut_from_the_launching_host_ends_the_other_nodes_part_within_the_bound(
     cluster: NamespaceCluster, tmp_path: Path, launcher: str

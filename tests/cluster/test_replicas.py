@@ -23,7 +23,7 @@ from tests.fault.test_replicas import (
     assert_trained_as_one_process,
 )
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.alone]
 SAIL = [sys.executable, "-m", "spikingsail.cli.main", "launch"]
 
 

@@ -25,7 +25,7 @@ from torch.utils.data import TensorDataset
 import spikingsail
 from tests.multiprocess import run_ranks
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
 WINDOW = 20
 MICRO = 128
 

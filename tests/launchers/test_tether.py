@@ -18,7 +18,7 @@ from spikingsail.launchers.agents import Rendezvous, agent_regex, rank_regex
 from spikingsail.launchers.lifeline import AGENT_GRACE_SECONDS, LIFELINE, TETHER_READY
 from spikingsail.launchers.request import parse_request
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
 WORKER = "import sys, time; open(sys.argv[1], 'w').close(); time.sleep(120)\n"
 
 

@@ -20,7 +20,7 @@ import pytest
 from spikingsail.monitor.hangwatch import Spec, stacks
 from tests.cluster.harness import processes_with
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
 JOB = Path(__file__).with_name("jobs") / "hang_job.py"
 SAIL = [sys.executable, "-m", "spikingsail.cli.main", "launch"]
 TIMEOUT = 4.0

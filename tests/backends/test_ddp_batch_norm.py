@@ -96,6 +96,21 @@ def test_statistics_are_not_broadcast_at_every_forward_yet_every_reading_equals_
         assert torch.equal(got, want)
 
 
+def evaluate_after_resume(checkpoints: str) -> dict[str, torch.Tensor]:
+    """Resume, and evaluate before any training forward."""
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+              "sail": {"backend": "ddp", "seed": 4, "progress_bar": False}}  # fmt: skip
+    engine, _ = spikingsail.initialize(
+        model=batch_norm_model(False), config=config, checkpoints_path=checkpoints, resume=True
+    )
+    own = engine.module[1].running_mean.clone()
+    engine.eval()
+    with torch.no_grad():
+        out = engine(torch.randn(5, 6, generator=torch.Generator().manual_seed(2)))
+    engine.close()
+    return {"own_after_resume": own, "eval": out}
+
+
 def test_a_checkpoint_holds_rank_zeros_statistics_and_each_ranks_own(tmp_path: Path) -> None:
     seen = run_ranks(observe, 2, False, str(tmp_path / "ck"))
     assert seen[0]["unchanged_by_the_save"] and seen[1]["unchanged_by_the_save"]
@@ -111,3 +126,12 @@ def test_a_checkpoint_holds_rank_zeros_statistics_and_each_ranks_own(tmp_path: P
     model = batch_norm_model(False)
     dcp_io.load(model, None, path / "state", None)
     assert torch.equal(model[1].running_mean, own[0]), "the model state holds rank 0's statistics"
+
+    # a resume gives each rank its own back, and an evaluation straight after it reads rank 0's
+    resumed = run_ranks(evaluate_after_resume, 2, str(tmp_path / "ck"))
+    for rank in (0, 1):
+        assert torch.equal(resumed[rank]["own_after_resume"], own[rank])
+    model.eval()
+    with torch.no_grad():
+        want = model(torch.randn(5, 6, generator=torch.Generator().manual_seed(2)))
+    assert torch.equal(resumed[0]["eval"], want) and torch.equal(resumed[1]["eval"], want)

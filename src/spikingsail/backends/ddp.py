@@ -47,7 +47,7 @@ class DDPBackend(ProcessGroupBackend):
         self.ddp: DistributedDataParallel | None = None
         self.zero: ZeroRedundancyOptimizer | None = None
         self._norms: list[_BatchNorm] = []
-        self._diverged = False
+        self._diverged = True  # until the first forward that reads them: a resume gives each rank its own
         self._eval_hook: RemovableHandle | None = None
 
     def wrap(
@@ -93,7 +93,7 @@ class DDPBackend(ProcessGroupBackend):
         group: dist.ProcessGroup | None,
         background: bool,
     ) -> Future[Any] | None:
-        # the base gives every rank rank 0's buffers first, as DDP does at the next forward
+        # rank 0's buffers go into the checkpoint (state_to_save)
         return super().save_state(module, self._local(optimizer), directory, group, background)
 
     def load_state(
@@ -109,6 +109,7 @@ class DDPBackend(ProcessGroupBackend):
         local = self._local(optimizer)
         with _without_empty_groups(local):
             super().load_state(module, local, directory, group)
+        self._diverged = True  # the checkpoint's own statistics of each rank follow
 
     def _rank_zero_statistics_for_eval(self, module: torch.nn.Module, args: Any) -> None:
         """Batch-norm running statistics are not broadcast before every forward (DDP's default: one

@@ -22,6 +22,12 @@ from tests.multiprocess import run_ranks
 pytestmark = pytest.mark.multiprocess
 
 
+# the global batch given, so that a checkpoint resumes on one process too (with 2 micro-steps per step)
+CONFIG = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+          "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+          "sail": {"backend": "ddp", "seed": 4, "progress_bar": False}}  # fmt: skip
+
+
 def batch_norm_model(extra_buffer: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     net = torch.nn.Sequential(
@@ -40,9 +46,7 @@ def data() -> TensorDataset:
 def observe(extra_buffer: bool, checkpoints: str | None = None) -> dict[str, Any]:
     """Train, evaluate, train with the batch norm frozen (eval mode inside a training model), train
     on and evaluate again; return what a script can see on this rank."""
-    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
-              "sail": {"backend": "ddp", "seed": 4, "progress_bar": False}}  # fmt: skip
-    engine, _ = spikingsail.initialize(model=batch_norm_model(extra_buffer), config=config)
+    engine, _ = spikingsail.initialize(model=batch_norm_model(extra_buffer), config=CONFIG)
     norm = engine.module[1]
     batches = iter(engine.dataloader(data()))
     probe = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
@@ -98,10 +102,8 @@ def test_statistics_are_not_broadcast_at_every_forward_yet_every_reading_equals_
 
 def evaluate_after_resume(checkpoints: str) -> dict[str, torch.Tensor]:
     """Resume, and evaluate before any training forward."""
-    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
-              "sail": {"backend": "ddp", "seed": 4, "progress_bar": False}}  # fmt: skip
     engine, _ = spikingsail.initialize(
-        model=batch_norm_model(False), config=config, checkpoints_path=checkpoints, resume=True
+        model=batch_norm_model(False), config=CONFIG, checkpoints_path=checkpoints, resume=True
     )
     own = engine.module[1].running_mean.clone()
     engine.eval()
@@ -135,3 +137,6 @@ def test_a_checkpoint_holds_rank_zeros_statistics_and_each_ranks_own(tmp_path: P
     with torch.no_grad():
         want = model(torch.randn(5, 6, generator=torch.Generator().manual_seed(2)))
     assert torch.equal(resumed[0]["eval"], want) and torch.equal(resumed[1]["eval"], want)
+    # on another world size every rank starts from rank 0's
+    (alone,) = run_ranks(evaluate_after_resume, 1, str(tmp_path / "ck")).values()
+    assert torch.equal(alone["own_after_resume"], own[0]) and torch.equal(alone["eval"], want)

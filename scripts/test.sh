@@ -11,12 +11,13 @@ cd "$root"
 .venv/bin/mypy
 # the docs site: any warning (a broken link or anchor, a reference the generator cannot fill) fails
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
-# Two passes: everything but the timing-bound tests on SAIL_TEST_WORKERS pytest-xdist workers (2, the
-# cores of a CI machine; 0 runs them in this process), the cluster's tests all on one of them; then the
-# `alone` tests, with nothing beside them. A -m EXPR of the caller's narrows both passes; one matrix
-# sample for both (SAIL_MATRIX_SEED replays one).
+# The namespace cluster's tests and the others run side by side, each in a pytest process of its own
+# (two cores; the cluster's tests share its one cluster), then the `alone` tests — heartbeats, stall
+# limits, measured speeds — by themselves. SAIL_TEST_SERIAL=1 runs everything in one pytest process.
+# A -m EXPR of the caller's narrows every run; they share one matrix sample (SAIL_MATRIX_SEED replays
+# one).
 export SAIL_MATRIX_SEED=${SAIL_MATRIX_SEED:-$(.venv/bin/python -c "import random; print(random.SystemRandom().randrange(10**6))")}
-workers=${SAIL_TEST_WORKERS:-2}
+if [ "${SAIL_TEST_SERIAL:-0}" = 1 ]; then exec .venv/bin/pytest "$@"; fi
 marks=() rest=()
 while [ $# -gt 0 ]; do
   case $1 in
@@ -27,12 +28,23 @@ while [ $# -gt 0 ]; do
 done
 only=""
 for mark in "${marks[@]+"${marks[@]}"}"; do only+="$mark and "; done
-status=0
-.venv/bin/pytest -n "$workers" --dist loadgroup -m "${only}not alone" "${rest[@]+"${rest[@]}"}" || status=$?
-alone=0
-.venv/bin/pytest -m "${only}alone" "${rest[@]+"${rest[@]}"}" || alone=$?
-# 5: no test was selected (a path or -k that names only tests of the other pass)
-if [ "$status" = 5 ] && [ "$alone" = 5 ]; then exit 5; fi
-[ "$status" = 5 ] && status=0
-[ "$alone" = 5 ] && alone=0
-exit $((status > alone ? status : alone))
+status=0 selected=0
+run() {  # run LABEL MARKS: pytest on the tests the marks select, in a scratch directory of its own
+  .venv/bin/pytest -p no:cacheprovider --basetemp "$scratch/$1" -m "$only$2" "${rest[@]+"${rest[@]}"}"
+}
+outcome() {  # the worst status so far; 5 (no test selected) only where no run selected any
+  if [ "$1" = 5 ]; then return 0; fi
+  selected=1
+  if [ "$1" -gt "$status" ]; then status=$1; fi
+}
+scratch=$(mktemp -d)
+run cluster "cluster and not alone" > "$scratch/cluster.log" 2>&1 &
+cluster=$!
+trap 'kill "$cluster" 2>/dev/null || true; rm -rf "$scratch" 2>/dev/null || true' EXIT
+code=0; run rest "not cluster and not alone" || code=$?; outcome "$code"
+code=0; wait "$cluster" || code=$?; outcome "$code"
+echo "---- the namespace cluster's tests, which ran beside the others ----"
+cat "$scratch/cluster.log"
+code=0; run alone "alone" || code=$?; outcome "$code"
+if [ "$selected" = 0 ]; then exit 5; fi
+exit "$status"

@@ -34,17 +34,11 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.realpath(sys.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # before pytest-xdist starts its workers: they inherit it, and collect the same matrix sample
-    from tests.matrix.cells import session_seed
-
-    session_seed()
-
-
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``requires_cuda`` tests are skipped, with the reason, where torch sees no GPU. Under
-    pytest-xdist (``--dist loadgroup``) the tests on the namespace cluster share one worker: there is
-    one cluster (its namespaces, addresses and daemons have fixed names)."""
+    """``requires_cuda`` tests are skipped, with the reason, where torch sees no GPU. Every test on
+    the namespace cluster is marked ``cluster``: scripts/test.sh runs them in a pytest process of
+    their own (one cluster: the nodes' daemons, munge and slurm, are the machine's)."""
     import torch
 
     skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False here")
@@ -52,7 +46,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "requires_cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
         if "_cluster_session" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("cluster"))
+            item.add_marker(pytest.mark.cluster)
 
 
 def pytest_report_header() -> str:

@@ -31,9 +31,9 @@ def test_workers_see_the_callers_environment_and_their_ranks(monkeypatch: pytest
     monkeypatch.delenv("SAIL_TEST_REMOVED_BY_THE_TEST")
     monkeypatch.setenv("SAIL_TEST_SET_BY_THE_TEST", "yes")
     first, second = run_ranks(environment, 2), run_ranks(environment, 2)
-    for ranks in (first, second):
-        assert [(r["rank"], r["world"], r["set"], r["removed"]) for r in ranks.values()] == [
-            ("0", "2", "yes", None), ("1", "2", "yes", None)]  # fmt: skip
+    for ranks in (first, second):  # by rank: the agent hands the results back in the order the workers ended
+        assert [(key, r["rank"], r["world"], r["set"], r["removed"]) for key, r in sorted(ranks.items())] == [
+            (0, "0", "2", "yes", None), (1, "1", "2", "yes", None)]  # fmt: skip
     # fresh processes every launch, and only what every worker imports anyway is preloaded
     assert {r["pid"] for r in first.values()}.isdisjoint(r["pid"] for r in second.values())
     assert {r["spikingjelly"] for r in first.values()} == {"False"}, f"{START_METHOD} workers"

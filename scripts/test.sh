@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (Python environment and the system packages the cluster tests use), then run the checks CI
-# runs: ruff, mypy, the documentation site's build and the whole test suite (extra args go to both of
-# pytest's passes).
+# runs: ruff, mypy, the documentation site's build and the whole test suite (extra args go to each of
+# its pytest runs).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$root/scripts/install.sh"  # what the Dockerfile's image runs: system packages, pinned environment

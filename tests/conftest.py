@@ -42,8 +42,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     import torch
 
     skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False here")
+    no_gpu = not torch.cuda.is_available()
     for item in items:
-        if "requires_cuda" in item.keywords and not torch.cuda.is_available():
+        if "requires_cuda" in item.keywords and no_gpu:
             item.add_marker(skip)
         if "_cluster_session" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)

@@ -152,7 +152,8 @@ class Backend(ABC):
         SyncBatchNorm) differ between ranks, and DCP writes one copy of a replicated tensor from
         whichever rank it picks: rank 0's are given to every rank first, so the checkpoint holds
         them and every rank continues from them, in the run that saved as in one that resumes
-        (DDP does the same at every forward; DeepSpeed saves rank 0's)."""
+        (DDP's broadcast before every forward does the same; DeepSpeed saves rank 0's). A backend
+        with ``rank_buffers`` puts rank 0's into the state instead and leaves each rank its own."""
         state = self.state_to_save(module, optimizer)
         if background:
             return dcp_io.async_save(state, directory, group)

@@ -23,12 +23,13 @@ Once the split holds still after a change, ``auto`` probes its neighbours by wha
 to end: it moves ``PROBE_FRACTION`` of the slowest rank's share to the fastest rank (and, if that is
 not faster, the other way), runs the two splits in turn for ``PROBE_ROUNDS`` rounds of
 ``PROBE_STEPS`` steps each, and keeps a neighbour whose steps were more than ``PROBE_MARGIN`` faster,
-then tries the next one the same way (at most ``PROBE_MOVES``). Compute times even out the ranks'
-work, but what a step costs also depends on how the ranks' work and waits fall together (a CPU
-quota's periods, two processes sharing cores, the overlap of the all-reduce with backward), which
-only the step's own time shows. What the probe found stays as a correction of each rank's speed, so
-that the later checks take the probed split as even; a change by the factor drops it and probes
-again.
+then tries the next one the same way (``PROBE_MOVES`` at most; a probe that keeps that many is
+followed by another one a window later). Compute times even out the ranks' work, but what a step
+costs also depends on how the ranks' work and waits fall together (a CPU quota's periods, two
+processes sharing cores, the overlap of the all-reduce with backward), which only the step's own
+time shows. The speeds measured at the split a probe ends on, during the probe, become the even
+ones: a correction of each rank's speed, so that the later checks look for a change from them (a
+timer's report need not scale with the share); a change by the factor drops it and probes again.
 Every rank decides from the same all-reduced numbers, so the split changes at the same step
 everywhere. Backends whose ranks also wait for each other inside forward and backward (FSDP's
 all-gathers) would hide the difference there; they take fixed weights only.
@@ -134,6 +135,8 @@ class _Probe:
     """Seconds of the base's (False) and the candidate's (True) turns; each runs ``PROBE_ROUNDS`` turns."""
     turn: torch.Tensor | None = None
     """This turn's per-rank (compute seconds, samples, wall seconds), summed over its steps."""
+    totals: dict[bool, torch.Tensor] = field(default_factory=dict)
+    """The same, summed over the base's (False) and the candidate's (True) turns."""
 
 
 class Balancer:
@@ -305,6 +308,7 @@ class Balancer:
         probe.turn, probe.steps = None, 0
         probe.turns += 1
         probe.wall[candidate] += float(turn[:, 2].max())
+        probe.totals[candidate] = turn if candidate not in probe.totals else probe.totals[candidate] + turn
         speeds = _speeds(turn)
         fractions = [s / math.fsum(speeds) for s in speeds]
         if self._reference is not None and self._moved(fractions):
@@ -324,23 +328,35 @@ class Balancer:
                 probe.start, probe.candidate, probe.direction, kept, speeds
             ):
                 return None
-            return self._probed(step, probe.start, probe.candidate, speeds, rank)
+            # the most moves one probe makes: another probe continues from here after a window
+            self._probe_due = True
+            return self._probed(step, probe.start, probe.candidate, probe.totals[True], rank)
         if (
             probe.kept == 0
             and probe.direction < 0
             and self._next_comparison(probe.start, probe.base, 1, 0, speeds)
         ):
             return None
-        return self._probed(step, probe.start, probe.base, speeds, rank)
+        return self._probed(step, probe.start, probe.base, probe.totals[False], rank)
 
     def _probed(
-        self, step: int, start: list[int], split: list[int], speeds: list[float], rank: int
+        self, step: int, start: list[int], split: list[int], measured: torch.Tensor, rank: int
     ) -> dict[str, Any] | None:
-        """A probe's end: ``split`` stays, and the speeds are corrected to give it."""
+        """A probe's end: ``split`` stays, and it becomes the even split of the speeds measured at
+        it during the probe (``measured``: the sums of its turns). The later checks look for a
+        change from those speeds: what a rank's timer reports at a share need not be what that
+        share costs the step (its side of the all-reduce, a quota's periods), and the probe has
+        found by the steps' time what the timers would not."""
         self.split = split
+        speeds = _speeds(measured)
+        total = math.fsum(speeds)
+        self._reference = [s / total for s in speeds]
+        # corrected speeds proportional to the split: the drift check finds it even
+        self.corrections = [
+            n / self.global_micro_batch * total / max(s, 1e-12) for n, s in zip(split, speeds, strict=True)
+        ]
         if split == start:
             return None
-        self.corrections = [c * n / s for c, n, s in zip(self.corrections, split, start, strict=True)]
         change = {"step": step, "speeds": [round(s, 3) for s in speeds], "split": split, "refined": False,
                   "probed": True}  # fmt: skip
         self.changes.append(change)

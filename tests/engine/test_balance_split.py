@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from spikingsail.engine.balance import (
+    DRIFT_STEPS,
     MEASURE_STEPS,
     PROBE_FRACTION,
     PROBE_MARGIN,
@@ -68,11 +69,14 @@ def run(
     change_at: int = 0,
     walls: list[float] | None = None,
     offset: float = 0.0,
+    burst: tuple[int, float] = (0, 0.0),
 ) -> Balancer:
     """``steps`` optimizer steps at ``costs``; with ``drift``, rank 1's cost per sample grows by that
     fraction from step ``DRIFT_STEP`` on (the split and its probe are done by then); with
     ``change_at``, it halves from that step on. ``bias``: rank 1's timer overstates its compute by
-    that factor, plus ``offset`` seconds a step. ``walls`` gets every step's wall time."""
+    that factor, plus ``offset`` seconds a step. ``burst``: (steps, fraction): rank 1's cost per
+sample grows by that fraction for that many steps from ``DRIFT_STEP`` on, then returns. ``walls``
+gets every step's wall time."""
     balancer = Balancer(global_micro_batch=GLOBAL, world_size=2, weights=None, rebalance_factor=1.25)
     timer = ScriptedTimer(balancer, costs, bias, offset)
     balancer.timer = timer  # type: ignore[assignment]
@@ -84,6 +88,9 @@ def run(
     for step in range(1, steps + 1):
         if drift and step == DRIFT_STEP:
             timer.costs = (costs[0], (costs[1][0], costs[1][1] * (1 + drift)))
+        if burst[0] and step in (DRIFT_STEP, DRIFT_STEP + burst[0]):
+            factor = 1 + burst[1] if step == DRIFT_STEP else 1.0
+            timer.costs = (costs[0], (costs[1][0], costs[1][1] * factor))
         if change_at and step == change_at:
             timer.costs = (costs[0], (costs[1][0], costs[1][1] / 2))
         wall = timer.wall()  # the step that ends here ran at the split of its start
@@ -148,15 +155,18 @@ def test_a_slow_drift_below_the_factor_is_followed_and_a_small_one_is_not() -> N
     before = run(DRIFT_STEP - 1)
     assert before._probe is None and not before._probe_due, "the probe is over before the drift"
     # rank 1 20% slower per sample (its share of the speed moves by less than the factor of 1.25):
-    # within a window, a new split that evens the times again
+    # within a window and DRIFT_STEPS more steps, a new split that evens the times again
     after = run(DRIFT_STEP - 1 + 2 * MEASURE_STEPS, drift=0.20)
     new = [c for c in after.changes if c["step"] >= DRIFT_STEP]
-    assert new and new[0]["step"] < DRIFT_STEP + MEASURE_STEPS, after.changes
+    assert new and new[0]["step"] < DRIFT_STEP + MEASURE_STEPS + DRIFT_STEPS, after.changes
     assert new[0]["split"][1] < before.split[1]
     final = times(new[-1]["split"], ((COSTS[0]), (COSTS[1][0], COSTS[1][1] * 1.20)))
     assert max(final) / min(final) < 1.05, (new[-1]["split"], final)
     # 6% slower: within the noise of an 8-step window on a shared machine, the split holds still
     assert run(DRIFT_STEP - 1 + 4 * MEASURE_STEPS, drift=0.06).changes == before.changes
+    # 50% slower for 4 steps (a burst of load): windows over them find rank 1 far slower than even,
+    # but not for DRIFT_STEPS steps in a row, and the split holds still
+    assert run(DRIFT_STEP - 1 + 4 * MEASURE_STEPS, burst=(4, 0.5)).changes == before.changes
 
 
 def test_a_neighbour_whose_steps_run_faster_is_kept_and_the_later_checks_take_it_as_even() -> None:

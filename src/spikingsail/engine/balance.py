@@ -17,8 +17,8 @@ keeps watching: when a rank's share of the total speed moves by more than
 at the split in use, the slowest rank's compute took more than ``REFINE_TOLERANCE`` longer than an
 even split's would: a rank's speed per sample, measured at one share, need not hold at another,
 and the split converges on even times. At any later step it splits again when the slowest rank's
-compute over the last ``MEASURE_STEPS`` steps took more than ``DRIFT_TOLERANCE`` longer than even
-(a slow drift of a rank's speed, below the factor).
+compute over the last ``MEASURE_STEPS`` steps took more than ``DRIFT_TOLERANCE`` longer than even,
+at each of ``DRIFT_STEPS`` steps in a row (a slow drift of a rank's speed, below the factor).
 Once the split holds still after a change, ``auto`` probes its neighbours by what the step costs end
 to end: it moves ``PROBE_FRACTION`` of the slowest rank's share to the fastest rank (and, if that is
 not faster, the other way), runs the two splits in turn for ``PROBE_ROUNDS`` rounds of
@@ -64,6 +64,8 @@ DRIFT_TOLERANCE = 0.10
 """The same, at any later step (over the last ``MEASURE_STEPS`` steps): a rank whose speed drifts
 by less than ``rebalance_factor`` but costs the step more than this is followed too. Wider than
 ``REFINE_TOLERANCE`` so that measurement noise does not move the split back and forth."""
+DRIFT_STEPS = MEASURE_STEPS
+"""Steps in a row at which the drift check must find the same rank slow before it splits again."""
 PROBE_FRACTION = 0.08
 """A probe moves this fraction of the slowest rank's share (at least one sample) to or from the fastest."""
 PROBE_STEPS = 4
@@ -169,6 +171,9 @@ class Balancer:
         """Per-rank factors on the measured speeds, from the last probe: the split they give is the probed one."""
         self._probe: _Probe | None = None
         self._probe_due = False
+        self._drift = 0
+        """Consecutive steps at which the drift check found ``_drift_rank`` the slow rank."""
+        self._drift_rank = -1
         self.changes: list[dict[str, Any]] = []
         """Every change of split, for the monitor: step, speeds (samples/s), split."""
 
@@ -244,8 +249,17 @@ class Balancer:
                     return None
                 self._refines -= 1
             elif self._uneven(speeds, DRIFT_TOLERANCE):
+                # a drift below the factor needs no haste, and one 8-step window on a shared machine
+                # can be 10% off by itself: the same rank must stay the slow one for DRIFT_STEPS
+                # more steps (windows sliding over 2 × MEASURE_STEPS steps)
+                slowest = self._slowest(speeds)
+                self._drift = self._drift + 1 if slowest == self._drift_rank else 1
+                self._drift_rank = slowest
+                if self._drift < DRIFT_STEPS:
+                    return None
                 self._refines = REFINE_WINDOWS  # measured at the old shares: refined as after a change
             else:
+                self._drift = 0
                 self._settled(speeds)
                 return None
             refined = True
@@ -261,6 +275,7 @@ class Balancer:
         self._probe_due = True
         self._reference = fractions
         self._window.clear()
+        self._drift = 0
         split = split_batch(self.global_micro_batch, self._corrected(speeds))
         if split == self.split:
             return None
@@ -366,6 +381,11 @@ class Balancer:
 
     def _corrected(self, speeds: list[float]) -> list[float]:
         return [s * c for s, c in zip(speeds, self.corrections, strict=True)]
+
+    def _slowest(self, speeds: list[float]) -> int:
+        """The rank whose compute at the split in use takes longest, at the (corrected) ``speeds``."""
+        speeds = self._corrected(speeds)
+        return max(range(self.world_size), key=lambda r: self.split[r] / max(speeds[r], 1e-12))
 
     def _uneven(self, speeds: list[float], tolerance: float) -> bool:
         """Whether, at the split in use and the ``speeds`` (samples/s) measured at it, the slowest

@@ -72,11 +72,11 @@ def run(
     burst: tuple[int, float] = (0, 0.0),
 ) -> Balancer:
     """``steps`` optimizer steps at ``costs``; with ``drift``, rank 1's cost per sample grows by that
-    fraction from step ``DRIFT_STEP`` on (the split and its probe are done by then); with
-    ``change_at``, it halves from that step on. ``bias``: rank 1's timer overstates its compute by
-    that factor, plus ``offset`` seconds a step. ``burst``: (steps, fraction): rank 1's cost per
-sample grows by that fraction for that many steps from ``DRIFT_STEP`` on, then returns. ``walls``
-gets every step's wall time."""
+        fraction from step ``DRIFT_STEP`` on (the split and its probe are done by then); with
+        ``change_at``, it halves from that step on. ``bias``: rank 1's timer overstates its compute by
+        that factor, plus ``offset`` seconds a step. ``burst``: (steps, fraction): rank 1's cost per
+    sample grows by that fraction for that many steps from ``DRIFT_STEP`` on, then returns. ``walls``
+    gets every step's wall time."""
     balancer = Balancer(global_micro_batch=GLOBAL, world_size=2, weights=None, rebalance_factor=1.25)
     timer = ScriptedTimer(balancer, costs, bias, offset)
     balancer.timer = timer  # type: ignore[assignment]

@@ -236,7 +236,7 @@ class Balancer:
         # throughput over the whole window: a rank that stalls now and then (a throttled or shared
         # device) is as slow as its stalls make it, which a median of steps would hide
         speeds = _speeds(torch.stack(list(self._window)).sum(0))
-        fractions = [s / math.fsum(speeds) for s in speeds]
+        fractions = _fractions(speeds)
         refined = False
         if self._reference is not None and not self._moved(fractions):
             # no rank's speed moved by the factor. Shortly after a change, take a split that evens
@@ -325,7 +325,7 @@ class Balancer:
         probe.wall[candidate] += float(turn[:, 2].max())
         probe.totals[candidate] = turn if candidate not in probe.totals else probe.totals[candidate] + turn
         speeds = _speeds(turn)
-        fractions = [s / math.fsum(speeds) for s in speeds]
+        fractions = _fractions(speeds)
         if self._reference is not None and self._moved(fractions):
             self._probe = None  # a rank's speed changed by the factor: split again at once
             return self._change(step, speeds, fractions, rank, refined=False)
@@ -364,8 +364,8 @@ class Balancer:
         found by the steps' time what the timers would not."""
         self.split = split
         speeds = _speeds(measured)
+        self._reference = _fractions(speeds)
         total = math.fsum(speeds)
-        self._reference = [s / total for s in speeds]
         # corrected speeds proportional to the split: the drift check finds it even
         self.corrections = [
             n / self.global_micro_batch * total / max(s, 1e-12) for n, s in zip(split, speeds, strict=True)
@@ -382,20 +382,22 @@ class Balancer:
     def _corrected(self, speeds: list[float]) -> list[float]:
         return [s * c for s, c in zip(speeds, self.corrections, strict=True)]
 
+    def _times(self, speeds: list[float]) -> list[float]:
+        """Each rank's compute time for its share of the split in use, at the (corrected) ``speeds``."""
+        return [n / max(s, 1e-12) for n, s in zip(self.split, self._corrected(speeds), strict=True)]
+
     def _slowest(self, speeds: list[float]) -> int:
-        """The rank whose compute at the split in use takes longest, at the (corrected) ``speeds``."""
-        speeds = self._corrected(speeds)
-        return max(range(self.world_size), key=lambda r: self.split[r] / max(speeds[r], 1e-12))
+        """The rank whose compute at the split in use takes longest."""
+        times = self._times(speeds)
+        return times.index(max(times))
 
     def _uneven(self, speeds: list[float], tolerance: float) -> bool:
         """Whether, at the split in use and the ``speeds`` (samples/s) measured at it, the slowest
         rank's compute took more than ``tolerance`` longer than an even split's would. A criterion
         in time, not in samples: a small move of a slow rank's small share can be a large part of
         its time."""
-        speeds = self._corrected(speeds)
-        times = [n / max(s, 1e-12) for n, s in zip(self.split, speeds, strict=True)]
-        even = self.global_micro_batch / max(math.fsum(speeds), 1e-12)
-        return max(times) > even * (1 + tolerance)
+        even = self.global_micro_batch / max(math.fsum(self._corrected(speeds)), 1e-12)
+        return max(self._times(speeds)) > even * (1 + tolerance)
 
     def _moved(self, fractions: list[float]) -> bool:
         assert self._reference is not None
@@ -424,6 +426,12 @@ class Balancer:
             self._reference = state["reference"]
             self.corrections = [float(c) for c in state.get("corrections", [1.0] * self.world_size)]
             self._probe_due = True
+
+
+def _fractions(speeds: list[float]) -> list[float]:
+    """Each rank's share of the total speed."""
+    total = math.fsum(speeds)
+    return [s / total for s in speeds]
 
 
 def _speeds(totals: torch.Tensor) -> list[float]:

@@ -45,6 +45,15 @@ def slow_group() -> Iterator[Path]:
         yield group
 
 
+@pytest.fixture
+def slower_group() -> Iterator[Path]:
+    """10% of a core: under a quota a rank is measured less slow in the job than alone (it also
+    waits in every all-reduce), most with an all-reduce at every step; at 20% the measured split of
+    some cases stayed within 1.5 : 1 on a busy host."""
+    with cpu_quota_group(10) as group:
+        yield group
+
+
 def model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
@@ -235,9 +244,9 @@ def assert_like(case: str, got: dict[str, torch.Tensor], want: dict[str, torch.T
 
 @pytest.mark.parametrize("case", list(AUTO_CASES))
 def test_auto_trains_like_one_process_for_each_backend_precision_and_accumulation(
-    case: str, slow_group: Path
+    case: str, slower_group: Path
 ) -> None:
-    result = run_ranks(case_run, 2, case, str(slow_group), AUTO_STEPS)[0]
+    result = run_ranks(case_run, 2, case, str(slower_group), AUTO_STEPS)[0]
     assert max(ratio(s) for s in result["splits"]) >= 1.5, (
         f"auto never moved off equal shares: {result['splits']}"
     )
@@ -245,10 +254,10 @@ def test_auto_trains_like_one_process_for_each_backend_precision_and_accumulatio
 
 
 def test_auto_resumes_exactly_with_its_split_on_two_ranks_and_on_one(
-    slow_group: Path, tmp_path: Path
+    slower_group: Path, tmp_path: Path
 ) -> None:
     case = "ddp-fp32-acc1-snn"
-    saved = run_ranks(case_run, 2, case, str(slow_group), SAVE_AT, str(tmp_path))[0]
+    saved = run_ranks(case_run, 2, case, str(slower_group), SAVE_AT, str(tmp_path))[0]
     assert ratio(saved["splits"][-1]) >= 1.5, saved["splits"]  # saved with an unequal split
     reference = run_ranks(case_run, 1, case, None, AUTO_STEPS)[0]["params"]
     on_two = run_ranks(case_run, 2, case, None, AUTO_STEPS, str(tmp_path), True)[0]

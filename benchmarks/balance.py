@@ -4,6 +4,7 @@
     python benchmarks/balance.py --rounds 5 --blocks 6 --seconds 4
     python benchmarks/balance.py --quota 25
     python benchmarks/balance.py --micro 256 --accumulation 1   # less compute per all-reduce
+    python benchmarks/balance.py --sweep 3          # also fixed splits around auto's: the best one
 
 Two gloo ranks on this machine, one thread each; rank 1 runs in a cgroup whose CPU quota is
 ``--quota`` percent of one core (a period of 10 ms, so the slowdown is even, as on a slower
@@ -16,6 +17,12 @@ off         2 ranks, equal micro-batches: every step waits for the slow rank
 auto        2 ranks, ``"sail": {"balance": "auto"}``, timed once it has split, refined and probed
             (``Balancer.settled``); and over its whole run from step 2 to the end of its first
             block, its measuring and probing included
+
+sweep       (``--sweep K``) 2 ranks, fixed splits around the one auto ended on, rank 1's share moved
+            by -K..K steps of 2% of the global micro-batch, one block each, in this order and back;
+            the best of them is what any choice of split reaches here, so auto's distance from it
+            is what its choice costs, and the best one's distance from the ideal is what data
+            parallelism costs on this machine (the all-reduce, the engine's work, the quota's periods)
 
 Each job, from step 2 (off) or once settled (auto), runs ``--blocks`` blocks: ``--steps`` optimizer
 steps timed, then, in the same two processes, at the same time, a plain training loop on each rank
@@ -112,11 +119,19 @@ class Alone:
 
 
 def train(
-    group: str, balance: str, blocks: int, steps: int, micro: int, accumulation: int, seconds: float
+    group: str,
+    balance: str | list[float],
+    blocks: int,
+    steps: int,
+    micro: int,
+    accumulation: int,
+    seconds: float,
+    splits: list[list[int]] | None = None,
 ) -> dict[str, Any]:
     """The job: with ``off`` from step 2 (equal shares need no measurement), with ``auto`` once it
     has settled (at most ``SETTLE_LIMIT`` steps on), ``blocks`` blocks of ``steps`` timed steps, each
-    followed by the plain loops alone (``Alone``). Also returns auto's throughput from step 2 to the
+    followed by the plain loops alone (``Alone``); with ``splits`` (fixed weights), one block at
+    each of them instead, the split set before the block. Also returns auto's throughput from step 2 to the
     end of its first block, and, from the engine's phase timings (``sail.straggler_window``) over
     the blocks' steps, each rank's milliseconds per step and those of them spent in backward after
     its last gradient (the all-reduce, and the wait for the other rank)."""
@@ -147,12 +162,20 @@ def train(
     dist.barrier()
     whole_start = time.perf_counter()
     # every rank sees the same all-reduced measurements, so they agree on the step
-    until(lambda: balancer is None or balancer.settled or engine.global_steps >= SETTLE_LIMIT)
+    until(
+        lambda: (
+            balancer is None or not balancer.auto or balancer.settled or engine.global_steps >= SETTLE_LIMIT
+        )
+    )
     settled_at = engine.global_steps
     rows: list[dict[str, Any]] = []
     whole = 0.0
     clean: list[tuple[int, int]] = []  # step ranges whose phase timings the plain loops left alone
-    for block in range(blocks):
+    for block in range(len(splits) if splits is not None else blocks):
+        if splits is not None:
+            assert balancer is not None and balancer.timer is None
+            balancer.split = list(splits[block])  # a fixed split, read by the sampler at each step
+            until(lambda b=engine.global_steps: engine.global_steps >= b + 1)  # type: ignore[misc]
         dist.barrier()
         begin, start = engine.global_steps, time.perf_counter()
         until(lambda b=begin: engine.global_steps >= b + steps)  # type: ignore[misc]
@@ -206,6 +229,10 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=4, help="gradient_accumulation_steps")
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each plain loop alone")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of an off job and an auto job")
+    parser.add_argument(
+        "--sweep", type=int, default=0, metavar="K",
+        help="also a job at fixed splits around auto's: rank 1's share moved by -K..K steps of 2%%",
+    )  # fmt: skip
     args = parser.parse_args()
     if not (CPU_CGROUPS / "cpu.cfs_quota_us").exists():
         raise SystemExit(
@@ -219,12 +246,16 @@ def main() -> None:
         (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
         (group / "cpu.cfs_quota_us").write_text(str(PERIOD_US * args.quota // 100))
         for _ in range(args.rounds):
-            rounds.append(
-                {
-                    balance: run_processes(train, 2, (str(group), balance, *job))[0]
-                    for balance in ("off", "auto")
-                }
-            )
+            runs = {
+                balance: run_processes(train, 2, (str(group), balance, *job))[0]
+                for balance in ("off", "auto")
+            }
+            if args.sweep:
+                splits = around(runs["auto"]["blocks"][-1]["split"], args.sweep)
+                runs["sweep"] = run_processes(
+                    train, 2, (str(group), [1.0, 1.0], *job, splits + splits[::-1])
+                )[0]
+            rounds.append(runs)
     finally:
         for _ in range(50):
             try:
@@ -232,7 +263,7 @@ def main() -> None:
                 break
             except OSError:
                 time.sleep(0.1)
-    medians: dict[str, list[float]] = {"off": [], "auto": []}
+    medians: dict[str, list[float]] = {balance: [] for balance in rounds[0]}
     for number, runs in enumerate(rounds, 1):
         print(f"\nround {number}")
         for balance, run in runs.items():
@@ -243,8 +274,16 @@ def main() -> None:
               f"({', '.join(f'{r:.2f}' for r in ratios)})")  # fmt: skip
 
 
+def around(split: list[int], steps: int) -> list[list[int]]:
+    """Splits of two ranks with rank 1's share moved by -steps..steps steps of 2% of the total."""
+    total, step = sum(split), max(1, round(0.02 * sum(split)))
+    shares = [split[1] + k * step for k in range(-steps, steps + 1)]
+    return [[total - n, n] for n in shares if 1 <= n < total]
+
+
 def report(balance: str, run: dict[str, Any]) -> float:
-    """Print one job's blocks; returns the median of their ratios to the ideal."""
+    """Print one job's blocks; returns the median of their ratios to the ideal (for the sweep, the
+    best split's mean ratio)."""
     title = f"balance {balance}"
     if balance == "auto":
         title += f", settled at step {run['settled_at']}" + (
@@ -263,6 +302,17 @@ def report(balance: str, run: dict[str, Any]) -> float:
             f"  {number:5} {row['samples_per_s']:10.0f} {ideal:8.0f} {ratios[-1]:8.2f}  {row['split']}; {alone}"
         )
     median = statistics.median(ratios)
+    if balance == "sweep":
+        by_split: dict[int, list[float]] = {}
+        for row, ratio in zip(run["blocks"], ratios, strict=True):
+            by_split.setdefault(row["split"][1], []).append(ratio)
+        means = {n: statistics.fmean(r) for n, r in by_split.items()}
+        best = max(means, key=lambda n: means[n])
+        print(
+            "  rank 1's share: mean ÷ ideal  " + ", ".join(f"{n}: {m:.2f}" for n, m in sorted(means.items()))
+        )
+        print(f"  {'best':>5} {'':>10} {'':>8} {means[best]:8.2f}  (rank 1's share {best})")
+        return float(means[best])
     print(f"  {'median':>5} {'':>10} {'':>8} {median:8.2f}")
     if balance == "auto":
         first = max(run["blocks"][0]["ideals"].values())

@@ -232,6 +232,17 @@ def test_horovod_backend_under_torchrun_meets_through_torch_distributed(runs: di
         )
 
 
+def test_horovod_started_by_horovodrun_outlives_each_engine(runs: dict[str, Results]) -> None:
+    # Under horovodrun each of the job's engines uses the Horovod the first one started (a second
+    # hvd.init() could meet stale addresses at horovodrun's rendezvous server); under torchrun the
+    # engine ran the rendezvous and shut Horovod down with it.
+    for rank in (0, 1):
+        finished = {tag: r for tag, r in runs["hvd"][rank].items() if r is not None and "params" in r}
+        assert len(finished) >= 8
+        assert all(r["horovod_up_after_close"] for r in finished.values())
+        assert runs["ddp"][rank]["under_torchrun"]["horovod_up_after_close"] is False
+
+
 def test_one_process_without_horovodrun_trains_like_ddp() -> None:
     # `python train.py` with the horovod backend: Horovod of size 1, no torch.distributed group
     hvd = train({"tag": "single", "backend": "horovod"})

@@ -75,6 +75,8 @@ from spikingsail.errors import BackendError, ConfigError, first_line
 log = logging.getLogger(__name__)
 
 SECTION = "horovod"
+GLOO_RENDEZVOUS_ENV = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
+"""Set by horovodrun --gloo (and Horovod's elastic driver) for hvd.init()."""
 INSTALL_HINT = (
     f'pip install "$(bash scripts/build-horovod.sh {sys.executable})"  (the script, in the SpikingSail '
     "source tree, builds Horovod 0.28.1 with PyTorch and Gloo for this torch, once: about 7 minutes)"
@@ -175,12 +177,18 @@ class HorovodBackend(Backend):
                     or (source is RankSource.OPENMPI and self.hvd.mpi_built())
                 ):
                     self.hvd.init()  # horovodrun's rendezvous, MPI's world, or one process
+                    # Under horovodrun's Gloo rendezvous Horovod stays up until the process exits
+                    # (it shuts itself down then), and a later engine in the process uses it: a
+                    # second hvd.init() could meet the first one's addresses, which Horovod 0.28's
+                    # rendezvous server does not always clear (its DELETE handler forgets other
+                    # scopes' finished ranks), and connect to a closed port.
+                    self._owns_horovod = GLOO_RENDEZVOUS_ENV not in os.environ
                 else:
                     # torchrun, srun, mpirun without Horovod's MPI: torch.distributed first, then
                     # Horovod's Gloo through it
                     self._owns_group = join_process_group(self.config, self.rank_info, self.device)
                     self._rendezvous = _init_through_torch(self.hvd, self.rank_info)
-                self._owns_horovod = True
+                    self._owns_horovod = True
             self._check_horovod()
             if not dist.is_initialized():
                 self._owns_group = self._join_group()

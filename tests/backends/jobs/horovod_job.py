@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import json
 import os
 import sys
@@ -119,6 +120,8 @@ def train(run: dict[str, Any]) -> dict[str, Any] | None:
         "env": {k: os.environ.get(k) for k in ENV_SHOWN},
     }
     engine.close()
+    if run["backend"] == "horovod":
+        result["horovod_up_after_close"] = importlib.import_module("horovod.torch").is_initialized()
     return result
 
 

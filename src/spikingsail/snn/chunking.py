@@ -21,7 +21,9 @@ torch's ``CheckpointWrapper``, which keeps parameter objects and ``state_dict`` 
 load with and without chunks.
 
 Gradients equal the unchunked run's up to float rounding (a weight's gradient is summed over the
-chunks instead of in one reduction). Batch norm that uses batch statistics normalises over all
+chunks instead of in one reduction), for a model that is local in time. The first chunked forward
+checks that it is (``chunk_check``): a module that mixes time steps, a buffer changed on every call
+or a model whose input has no time axis is refused, naming it, before the first step. Batch norm that uses batch statistics normalises over all
 T × N samples of a call; chunks would normalise over k × N and train a different model, so the
 engine refuses it unless ``snn.chunk_batchnorm`` is ``"per_chunk"``. Batch norm through time
 (``layer.BatchNormThroughTime*``, one norm per step) and frozen (eval-mode) batch norm chunk exactly.
@@ -48,6 +50,7 @@ from torch.utils.checkpoint import checkpoint
 
 from spikingsail.config.schema import SNNConfig
 from spikingsail.errors import ConfigError, SailError
+from spikingsail.snn.chunk_check import check_chunks
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,7 @@ class TimeChunking:
         self._norms = [m for m in model.modules() if isinstance(m, _BatchNorm)]
         self._other_buffers = bool(_other_buffers(model))
         self.choices: dict[tuple[Any, ...], ChunkChoice] = {}
+        self._checked = False
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not (torch.is_grad_enabled() and module.training):
@@ -119,6 +123,10 @@ class TimeChunking:
         chunks = math.ceil(time_steps / steps)
         if chunks <= 1:
             return module(*args, **kwargs)
+        if not self._checked:  # once, before the first chunked forward: exact or refused (chunk_check.py)
+            setting = f"{self.source}: snn.time_chunk is {self.config.time_chunk!r}"
+            check_chunks(self._model, x, args[1:], kwargs, chunks, self._slots, setting)
+            self._checked = True
         if self._other_buffers:
             return self._all_buffers_forward(
                 module, *args, functional_forward=self._functional, compressor=None, chunks=chunks,

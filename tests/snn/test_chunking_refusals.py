@@ -1,0 +1,223 @@
+"""snn.time_chunk is exact or refused before the first step: models that are not local in time.
+
+Each model here is compared with itself unchunked: either the engine refuses it at the first
+forward (no optimizer step taken, the weights as they were) naming the part that is not local in
+time, or its chunked gradients equal the unchunked ones (rtol 1e-5, atol 1e-6, as test_chunking).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from spikingjelly.activation_based import base, functional, layer
+from torch import nn
+
+import spikingsail
+from spikingsail.environments import RankInfo
+from spikingsail.errors import ConfigError
+from tests.snn.models import lif
+from tests.snn.test_chunking import ATOL, RTOL, T, Masked, chunked, gradients
+
+N, FEATURES = 6, 5
+
+
+class TemporalMean(nn.Module):
+    """Adds each sample's mean over all T steps to every step."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + x.mean(0, keepdim=True)
+
+
+class TemporalAttention(nn.Module):
+    """Self-attention across the T steps of each sample, then a projection."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(features, 3 * features)
+        self.out = nn.Linear(features, features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, N, C]
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        weights = torch.einsum("tnc,snc->nts", q, k).softmax(-1)
+        return self.out(torch.einsum("nts,snc->tnc", weights, v))
+
+
+class TemporalConv(nn.Module):
+    """A Conv1d along T (kernel 3, padded): each step reads its neighbours."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(features, features, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, N, C] -> [N, C, T] and back
+        return self.conv(x.permute(1, 2, 0)).permute(2, 0, 1)
+
+
+class BatchMajorLinear(nn.Module):
+    """Local in time, but laid out [N, T, C] inside: what the check must not take for time mixing."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(features, features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.transpose(0, 1)).transpose(0, 1)
+
+
+class Counting(nn.Module):
+    """Counts its calls in a buffer and leaves its input alone: only the buffer differs in chunks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x
+
+
+def around(middle: nn.Module) -> nn.Module:
+    """Linear → LIF → ``middle`` → Linear → LIF, in multi-step mode."""
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Linear(FEATURES, 8), lif(), middle, layer.Linear(8, 3), lif())
+    functional.set_step_mode(net, "m")
+    return net
+
+
+class Tutorial(nn.Module):
+    """spikingjelly's tutorial shape: forward takes [N, ...], repeats it over T inside, averages over T."""
+
+    def __init__(self, time_steps: int, through_time: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.time_steps = time_steps
+        self.body = nn.Sequential(
+            layer.Conv2d(1, 4, 3, padding=1, bias=False),
+            layer.BatchNormThroughTime2d(time_steps, 4) if through_time else nn.Identity(),
+            lif(),
+            layer.Flatten(),
+            layer.Linear(4 * 4 * 4, 3),
+            lif(),
+        )
+        functional.set_step_mode(self, "m")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_seq = x.unsqueeze(0).repeat(self.time_steps, *([1] * x.dim()))
+        return self.body(x_seq).mean(0)
+
+
+def steps(n: int = N) -> torch.Tensor:
+    return torch.rand(T, n, FEATURES, generator=torch.Generator().manual_seed(4)) * 3
+
+
+def images(n: int) -> torch.Tensor:
+    return torch.rand(n, 1, 4, 4, generator=torch.Generator().manual_seed(4)) * 3
+
+
+MIXING: dict[str, tuple[Callable[[], nn.Module], str]] = {
+    "temporal mean": (lambda: around(TemporalMean()), r"module '2' mixes time steps"),
+    "temporal attention": (lambda: around(TemporalAttention(8)), r"the forward of '2', between its submodules"),
+    "temporal conv": (lambda: around(TemporalConv(8)), r"module '2\.conv' mixes time steps"),
+}
+
+
+@pytest.mark.parametrize("name", list(MIXING))
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_module_that_mixes_time_steps_is_refused_naming_it(name: str, k: int) -> None:
+    build, message = MIXING[name]
+    net = build()
+    _, grads = gradients(copy.deepcopy(net), steps())
+    wrapped = chunked(copy.deepcopy(net), k)
+    try:  # what the chunks would compute: not the model's gradients (the refusal is not a formality)
+        wrapped.checkpoint_fn.func._checked = True
+        _, chunked_grads = gradients(wrapped, steps())
+        assert any(not torch.allclose(g, c, rtol=RTOL, atol=ATOL) for g, c in zip(grads, chunked_grads, strict=True))
+    finally:
+        wrapped.checkpoint_fn.func._checked = False
+    with pytest.raises(ConfigError, match=message) as error:
+        chunked(net, k)(steps())
+    assert "snn.time_chunk is" in str(error.value) and "fix:" in str(error.value)
+
+
+@pytest.mark.parametrize("through_time", [False, True])
+@pytest.mark.parametrize("n", [N, T])  # T samples: the batch's length is the number of steps
+def test_the_tutorial_shape_is_refused_naming_the_shape_and_the_fix(through_time: bool, n: int) -> None:
+    net = Tutorial(T, through_time)
+    with pytest.raises(ConfigError, match=r"the model's first argument is not its time axis") as error:
+        chunked(net, 3)(images(n))
+    assert f"called with shape {(n, 1, 4, 4)}" in str(error.value)
+    assert "engine.encode(x)" in str(error.value) and "firing_rate" in str(error.value)
+
+
+def test_a_buffer_changed_on_every_call_is_refused_naming_it() -> None:
+    with pytest.raises(ConfigError, match=r"buffer '2\.calls' ends the first micro-batch's forward"):
+        chunked(around(Counting()), 3)(steps())
+
+
+@pytest.mark.parametrize("middle", [BatchMajorLinear, Masked])
+def test_models_local_in_time_are_accepted_and_exact(middle: Callable[[int], nn.Module]) -> None:
+    """A [N, T, C] layout inside a module, and a fixed buffer (spikingjelly's all-buffers path)."""
+    net = around(middle(8))
+    out, grads = gradients(copy.deepcopy(net), steps())
+    out_chunked, grads_chunked = gradients(chunked(net, 3), steps())
+    torch.testing.assert_close(out_chunked, out, rtol=RTOL, atol=ATOL)
+    assert any(g.abs().sum() > 0 for g in grads)
+    for g, g_chunked in zip(grads, grads_chunked, strict=True):
+        torch.testing.assert_close(g_chunked, g, rtol=RTOL, atol=ATOL)
+
+
+def test_the_check_leaves_the_model_and_the_rng_as_they_were() -> None:
+    """After a refusal: the neuron state, the buffers, the train/eval modes and the RNG are untouched."""
+    net = around(TemporalMean())
+    net.insert(1, layer.BatchNorm1d(8))
+    net[1].eval()  # frozen: not refused as batch norm; the check puts its train mode back as it found it
+    net.append(layer.SeqToANNContainer(nn.Dropout(0.5)))
+    functional.set_step_mode(net, "m")
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    modes = [m.training for m in net.modules()]
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    with pytest.raises(ConfigError, match=r"module '3' mixes time steps"):
+        chunked(net, 3)(steps())
+    assert torch.equal(torch.rand(3), expected)
+    assert [m.training for m in net.modules()] == modes and net[-1][0].training and not net[1].training
+    for key, value in net.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert all(v == 0.0 for v in base.extract_memories(net) if not isinstance(v, torch.Tensor))
+
+
+ADAM = {"optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
+
+
+@pytest.mark.parametrize(
+    ("build", "x", "message"),
+    [
+        (lambda: around(TemporalMean()), steps, "mixes time steps"),
+        (lambda: around(TemporalAttention(8)), steps, "mixes time steps"),
+        (lambda: around(TemporalConv(8)), steps, "mixes time steps"),
+        (lambda: Tutorial(T, False), lambda: images(N), "not its time axis"),
+        (lambda: Tutorial(T, True), lambda: images(N), "not its time axis"),
+    ],
+    ids=["mean", "attention", "conv", "tutorial", "tutorial-bntt"],
+)
+def test_the_engine_refuses_at_the_first_forward_before_any_step(
+    build: Callable[[], nn.Module], x: Callable[[], torch.Tensor], message: str
+) -> None:
+    net = build()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": N, **ADAM, "sail": {"progress_bar": False},
+                              "snn": {"step_mode": "m", "time_chunk": 3}}  # fmt: skip
+    engine, _ = spikingsail.initialize(model=net, config=config, rank_info=RankInfo.single())
+    try:
+        with pytest.raises(ConfigError, match=message):
+            engine(x())
+        assert engine.global_steps == 0
+        for key, value in engine.module.state_dict().items():
+            assert torch.equal(value, before[key]), key
+    finally:
+        engine.close()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from spikingsail.diagnostics.collect import run_here
 from spikingsail.diagnostics.findings import Finding, Report, Status, fail, ok, use_color
 from spikingsail.diagnostics.machine import machine_findings
+from spikingsail.launchers.spec import check_seconds
 from spikingsail.launchers.torchrun_args import names_hosts
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(argv: list[str]) -> int:
-    args, launch_flags = parser().parse_known_args(argv)
+    args, launch_flags = parse(argv)
     report = Report()
     if names_hosts(launch_flags):
         _nodes(launch_flags, report, args.timeout)
@@ -50,6 +51,24 @@ def run(argv: list[str]) -> int:
     else:
         report.render(sys.stdout, use_color(sys.stdout, args.color))
     return 1 if report.failed else 0
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The doctor's own options, checked, and the `sail launch` flags (read by ``job``)."""
+    args, launch_flags = parser().parse_known_args(argv)
+    check_seconds(
+        "--timeout", args.timeout, 0, "give the seconds each check may take, e.g. 120 (the default)"
+    )
+    return args, launch_flags
+
+
+def job(launch_flags: list[str]) -> LaunchRequest:
+    """The all-reduce job, as `sail launch` reads its flags: a mistake in them stops here, before
+    any process or ssh connection starts. Imports torch."""
+    from spikingsail.launchers.request import parse_request, with_default_nproc
+
+    flags = launch_flags if names_hosts(launch_flags) else with_default_nproc(launch_flags, 2)
+    return parse_request([*flags, "-m", ALLREDUCE])
 
 
 def _here(launch_flags: list[str], report: Report, timeout: float) -> None:
@@ -63,9 +82,7 @@ def _here(launch_flags: list[str], report: Report, timeout: float) -> None:
         report.findings += machine_findings(here.facts, report, nproc=2)
         report.findings.append(fail("all-reduce", "not tried: torch does not import", "fix torch first"))
         return
-    from spikingsail.launchers.request import parse_request, with_default_nproc
-
-    request = parse_request([*with_default_nproc(launch_flags, 2), "-m", ALLREDUCE])
+    request = job(launch_flags)
     nproc = int(request.nproc_per_node) if request.nproc_per_node.isdigit() else 1
     report.findings += machine_findings(here.facts, report, nproc=nproc)
     report.findings.append(_allreduce(request, timeout))
@@ -73,9 +90,8 @@ def _here(launch_flags: list[str], report: Report, timeout: float) -> None:
 
 def _nodes(launch_flags: list[str], report: Report, timeout: float) -> None:
     from spikingsail.diagnostics.nodes import node_report, probe_nodes
-    from spikingsail.launchers.request import parse_request
 
-    request = parse_request([*launch_flags, "-m", ALLREDUCE])  # a bad hostfile stops here, before any ssh
+    request = job(launch_flags)  # a bad hostfile stops here, before any ssh
     with ThreadPoolExecutor(max_workers=1) as pool:
         reference = pool.submit(run_here, [], timeout)
         results = probe_nodes(request, timeout)

@@ -10,7 +10,7 @@ from spikingsail.launchers import launcher_for, plan
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.failure import Failure
 from spikingsail.launchers.local import run_local
-from spikingsail.launchers.preflight import check_hosts
+from spikingsail.launchers.preflight import check_config, check_hosts, config_paths
 from spikingsail.launchers.replicas import (
     ReplicaPlan,
     address_towards,
@@ -30,6 +30,8 @@ LIGHTHOUSE_PORT_TRIES = 5
 
 def run(argv: list[str]) -> int:
     request = parse_request(argv)
+    for path in config_paths(request.script_args):  # once here, not from every rank once started
+        check_config(path, request.world_size, request.ft_replicas)
     if request.ft_replicas:
         return _run_replica_groups(request)
     if request.dry_run:

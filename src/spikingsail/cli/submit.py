@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from spikingsail.launchers.preflight import check_config, config_paths
 from spikingsail.launchers.sbatch import parse_submit, submit, wait
 
 
 def run(argv: list[str]) -> int:
     request, ns = parse_submit(argv)
+    for path in config_paths(request.script_args):  # here, not on the nodes once the job is scheduled
+        check_config(path, request.world_size)
     text = request.render()
     if ns.dry_run:
         print(text, end="")

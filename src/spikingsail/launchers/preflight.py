@@ -1,15 +1,24 @@
-"""Reach every host before starting anything: a clear error in bounded time, not a hang."""
+"""Before starting anything: reach every host (a clear error in bounded time, not a hang), and
+read the job's config as its engine will (one error here, not one from every rank later)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
 import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from spikingsail.errors import LaunchError
+from spikingsail.config.parse import BATCH_KEYS
+from spikingsail.errors import ConfigError, LaunchError, SailError
 from spikingsail.launchers.spec import SSHOptions
+
+DICT_SOURCE = "<dict>"
+"""What the config loader calls a config given as a dict (``SailConfig.source``)."""
 
 _PASSWORD_WANTED = re.compile(
     r"Permission denied \((?=[^)]*publickey)(?=[^)]*(password|keyboard-interactive))"
@@ -137,3 +146,101 @@ def _probe(host: str, ssh: SSHOptions, port: int | None = None) -> _Probe:
         return _Probe(listener=listening[0] if listening else "")
     why, fix = diagnose(host, result.stderr, result.returncode, ssh.args())
     return _Probe(failure=f"{why}; fix: {fix}")
+
+
+# --- the job's config ----------------------------------------------------------------------------
+
+_CONFIG_DESTS = ("sail_config", "deepspeed_config")
+
+
+def config_paths(script_args: list[str]) -> list[str]:
+    """The config files a training script's arguments name, with the flags spelled as the engine's
+    parser spells them (``add_config_arguments``: ``--sail-config PATH``, ``--deepspeed_config=PATH``,
+    ...); the last of a repeated flag, as argparse keeps it. Abbreviations are not read: a script's
+    parser may not take them."""
+    from spikingsail.engine.initialize import add_config_arguments
+
+    engine = add_config_arguments(argparse.ArgumentParser(add_help=False))
+    flags = {s: a.dest for a in engine._actions if a.dest in _CONFIG_DESTS for s in a.option_strings}
+    found: dict[str, str] = {}
+    words = iter(script_args)
+    for word in words:
+        if word == "--":  # argparse reads no option after it
+            break
+        name, equals, value = word.partition("=")
+        if name in flags:
+            found[flags[name]] = value if equals else next(words, "")
+    return list(dict.fromkeys(path for path in found.values() if path))
+
+
+def check_config(path: str, world_size: int | None, replica_groups: int = 0) -> None:
+    """Check the config file ``path`` here as the engine will on every rank, so that a mistake is
+    reported once, before any process starts. ``world_size``: the processes the engine counts, where
+    the command line settles it; otherwise a batch size is checked only where no world size fits.
+
+    A file without a batch size passes that check: a script may set it (``examples/imagenet``'s
+    ``--batch-size``). What the engine checks against the model (its batch-norm layers) is left to it.
+    """
+    from spikingsail.backends import backend_class, load_config
+    from spikingsail.engine import initialize as engine
+    from spikingsail.engine.replicas import check_supported
+
+    raw = _json_object(path)
+    source: str | dict[str, Any] = path
+    world = world_size or 1
+    if raw is not None:
+        given = {key: raw[key] for key in BATCH_KEYS if raw.get(key) is not None}
+        if world_size is None:
+            world = _fitting_world(path, given)
+        if "train_batch_size" not in given and "train_micro_batch_size_per_gpu" not in given:
+            source = {**raw, "train_micro_batch_size_per_gpu": 1}  # any batch size the script sets
+    try:
+        config = load_config(source, world)
+        backend = backend_class(config.sail.backend, config.source)
+        engine._check_zero_stage(config, backend.name, backend.max_zero_stage)
+        engine._check_offload(config, backend)
+        engine._check_balance(config, backend)
+        if replica_groups:
+            check_supported(config, backend.name, engine.synchronised_batch_norm(config, None))
+    except SailError as err:
+        if isinstance(source, str):
+            raise
+        raise type(err)(err.what.replace(DICT_SOURCE, path), err.why, err.fix) from None
+
+
+def _json_object(path: str) -> dict[str, Any] | None:
+    """The file's JSON object, or None when it is not one (the loader then says why)."""
+    try:
+        raw = json.loads(Path(path).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def _fitting_world(path: str, given: dict[str, Any]) -> int:
+    """A world size the batch keys agree with, when the command line does not settle it: 1 fits
+    unless all three are set; then train_batch_size / (micro × accumulation) must be a whole number."""
+    total, micro, accum = (_whole(given.get(key)) for key in BATCH_KEYS)
+    if total is None or micro is None or accum is None or min(total, micro, accum) < 1:
+        return 1  # the loader reports a missing key or a value out of range
+    world, rest = divmod(total, micro * accum)
+    if rest or world < 1:
+        raise ConfigError(
+            f"{path}: train_batch_size {total} is not a multiple of train_micro_batch_size_per_gpu × "
+            f"gradient_accumulation_steps = {micro} × {accum}",
+            "train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps × world_size, "
+            "whatever the number of processes",
+            "set two of the three keys and let SpikingSail derive the third",
+        )
+    return world
+
+
+def _whole(value: Any) -> int | None:
+    """A JSON batch size as the loader reads it (a whole float counts, as in DeepSpeed), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return None

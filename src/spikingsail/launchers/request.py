@@ -26,8 +26,20 @@ from spikingsail.launchers.hostfile import (
     select_nodes,
 )
 from spikingsail.launchers.remote_env import explicit_env
-from spikingsail.launchers.spec import LaunchRequest, SSHOptions
-from spikingsail.launchers.torchrun_args import TorchrunArgs, count, flag_names, names_hosts
+from spikingsail.launchers.spec import (
+    LaunchRequest,
+    SSHOptions,
+    check_port,
+    check_seconds,
+    in_range,
+)
+from spikingsail.launchers.torchrun_args import (
+    TorchrunArgs,
+    check_values,
+    count,
+    flag_names,
+    names_hosts,
+)
 
 __all__ = [
     "FORWARDED_SIGNALS",
@@ -133,6 +145,7 @@ def parse_request(argv: list[str]) -> LaunchRequest:
     ns = parser().parse_args(argv)
     split = _script_index(argv, ns.training_script, ns.training_script_args)
     torchrun = TorchrunArgs.read(ns, argv[:split], _OWN_FLAGS)
+    nnodes = check_values(ns)
     _check_script(ns)
     nodes = _nodes(ns)
     name = ns.launcher or default_launcher(bool(nodes), os.environ)
@@ -149,51 +162,117 @@ def parse_request(argv: list[str]) -> LaunchRequest:
         # torchrun's agent passes on the signals it handles; SIGUSR1 (sbatch --signal=USR1@T) is not
         # among its defaults, and the agent would die of it without telling the workers to save.
         flags = [*flags, "--signals-to-handle", FORWARDED_SIGNALS]
+    nodes = _apply_nproc(nodes, torchrun) if nodes else None
+    _check_spread(nnodes, nodes)
+    groups = _ft_replicas(ns.ft_replicas, nodes, torchrun.nproc_per_node)
     return LaunchRequest(
         script=ns.training_script,
         script_args=list(ns.training_script_args),
         torchrun_args=flags,
         nproc_per_node=torchrun.nproc_per_node,
         launcher=name,
-        nodes=_apply_nproc(nodes, torchrun) if nodes else None,
+        nodes=nodes,
         rdzv_endpoint=torchrun.rdzv_endpoint,
         rdzv_id=torchrun.rdzv_id,
         master_port=torchrun.master_port,
-        ssh=SSHOptions(
-            port=ns.ssh_port,
-            user=ns.ssh_user,
-            config=ns.ssh_config,
-            connect_timeout=ns.connect_timeout,
-            heartbeat_timeout=_heartbeat_timeout(ns.heartbeat_timeout),
-        ),
+        ssh=_ssh(ns),
         env=explicit_env(ns.env),
-        launcher_args=shlex.split(ns.launcher_args),
+        launcher_args=_launcher_args(ns.launcher_args),
         dist_init_method=ns.dist_init_method,
         explicit_nproc=torchrun.explicit_nproc,
         explicit_master_port=torchrun.explicit_master_port,
         runs_module=torchrun.module,
         no_python=torchrun.no_python,
         dry_run=ns.dry_run,
-        ft_replicas=_ft_replicas(ns.ft_replicas),
-        ft_heartbeat_timeout=_positive("--ft-heartbeat-timeout", ns.ft_heartbeat_timeout),
+        ft_replicas=groups,
+        ft_heartbeat_timeout=check_seconds(
+            "--ft-heartbeat-timeout", ns.ft_heartbeat_timeout, 0, "give a positive number, e.g. 1"
+        ),
+        world_size=_world_size(name, nodes, flags, ns.training_script, groups),
         max_restarts=int(ns.max_restarts),
     )
 
 
-def _ft_replicas(groups: int) -> int:
+def _ssh(ns: argparse.Namespace) -> SSHOptions:
+    return SSHOptions(
+        port=None
+        if ns.ssh_port is None
+        else check_port("--ssh-port", ns.ssh_port, "give the hosts' sshd port, e.g. 22"),
+        user=ns.ssh_user,
+        config=ns.ssh_config,
+        connect_timeout=int(
+            check_seconds(
+                "--connect-timeout", ns.connect_timeout, 0, "give whole seconds, e.g. 10 (the default)"
+            )
+        ),
+        heartbeat_timeout=_heartbeat_timeout(ns.heartbeat_timeout),
+    )
+
+
+def _launcher_args(text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as err:  # an unbalanced quote: "No closing quotation"
+        raise LaunchError(
+            f"--launcher-args {text[:80]!r}: {err}",
+            "the string is split into arguments as a POSIX shell splits it",
+            "close the quote, or escape it with a backslash",
+        ) from None
+
+
+def _check_spread(nnodes: tuple[int, int, int], nodes: list[Node] | None) -> None:
+    """A rendezvous on port 0 (any free port) works for one node only: the others cannot know it."""
+    _, most, port = nnodes
+    if port == 0 and (most > 1 or (nodes and len(nodes) > 1)):
+        raise LaunchError(
+            "--rdzv-endpoint with port 0 for a job on more than one node",
+            "port 0 asks the system for any free port, which the other nodes cannot know",
+            "give a port from 1 to 65535",
+        )
+
+
+def _ft_replicas(groups: int, nodes: list[Node] | None, nproc: str) -> int:
+    if groups == 0:
+        return 0
     if groups == 1 or groups < 0:
         raise LaunchError(
             f"--ft-replicas {groups}",
             "replica groups recover from each other: one group has nobody to heal from",
             "give 2 or more, or leave --ft-replicas out",
         )
+    if nodes:
+        why, most = (
+            f"every replica group runs on nodes of its own, and the hosts are {len(nodes)}",
+            len(nodes),
+        )
+    else:
+        most = MAX_SLOTS // (count(nproc) or 1)
+        why = f"each group starts its processes on this machine, and no machine runs more than {MAX_SLOTS}"
+    in_range(
+        "--ft-replicas", groups, 2, most, why=why, fix="give fewer groups, or spread them over nodes with -H"
+    )
     return groups
 
 
-def _positive(flag: str, seconds: float) -> float:
-    if not seconds > 0:
-        raise LaunchError(f"{flag} {seconds}", "it is a time in seconds", "give a positive number, e.g. 1")
-    return seconds
+def _world_size(
+    launcher: str, nodes: list[Node] | None, flags: list[str], script: str, groups: int
+) -> int | None:
+    """The processes the engine counts, where the command line settles it (see ``LaunchRequest``)."""
+    if launcher == "slurm":
+        return None  # srun: the allocation's size
+    if nodes:
+        sizes = [n.nproc for n in nodes]
+        if groups and len(set(sizes)) > 1:
+            return None  # each group counts its own nodes' processes
+        return sum(sizes)
+    if launcher != "local":
+        return None
+    # the flags torchrun gets here, read by its own parser: a platform's node count included
+    final = get_args_parser().parse_args([*flags, script])
+    per_node = count(final.nproc_per_node)
+    if per_node is None or str(final.nnodes) not in ("1", "1:1"):
+        return None
+    return per_node * max(groups, 1)
 
 
 def _heartbeat_timeout(seconds: int) -> int:
@@ -203,7 +282,7 @@ def _heartbeat_timeout(seconds: int) -> int:
             "a heartbeat goes every second; under 3 s a busy moment on a node would end the job",
             "give 3 seconds or more (the default is 30)",
         )
-    return seconds
+    return int(check_seconds("--heartbeat-timeout", seconds, 0, "give 3 seconds or more (the default is 30)"))
 
 
 def _check_script(ns: argparse.Namespace) -> None:

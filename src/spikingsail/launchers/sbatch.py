@@ -22,10 +22,21 @@ from pathlib import Path
 from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.command import FORWARDED_SIGNALS
+from spikingsail.launchers.hostfile import MAX_SLOTS
 from spikingsail.launchers.slurm import DIST_INIT_METHODS, task_step, torchrun_step
-from spikingsail.launchers.spec import LaunchRequest
+from spikingsail.launchers.spec import LaunchRequest, check_port, in_range
 
 log = logging.getLogger(__name__)
+
+
+# sbatch options that change a job's size (the later #SBATCH line wins)
+_SIZE_ARGS = ("-N", "--nodes", "-n", "--ntasks")
+MAX_NODES = 100_000
+"""More nodes than any SLURM cluster has; a larger count is a typo."""
+MAX_CPUS = 65_536
+"""More CPUs than any node has."""
+MAX_SIGNAL_TIME = 65_535
+"""The most seconds SLURM's ``--signal=B:USR1@T`` takes (sbatch's manual: T from 0 to 65535)."""
 
 
 class ShellWord(str):
@@ -57,6 +68,13 @@ class SubmitRequest:
     workdir: str = field(default_factory=os.getcwd)
     requeue: bool = False
     signal_before: int = 120
+
+    @property
+    def world_size(self) -> int | None:
+        """The job's processes, unless an --sbatch-arg changes the nodes or tasks the flags ask for."""
+        if any(arg.startswith(_SIZE_ARGS) for arg in self.extra_sbatch):
+            return None
+        return self.nodes * self.nproc_per_node
 
     def directives(self) -> list[str]:
         torchrun = self.dist_init_method == "torchrun"
@@ -210,8 +228,7 @@ def parse_submit(argv: list[str]) -> tuple[SubmitRequest, argparse.Namespace]:
     ns = parser().parse_args(argv)
     if not Path(ns.script).is_file():
         raise LaunchError(f"training script {ns.script} does not exist", fix="check the path")
-    if ns.nodes < 1:
-        raise LaunchError(f"--nodes {ns.nodes}", fix="ask for at least one node")
+    _check_numbers(ns)
     _check_directives(ns)
     request = SubmitRequest(
         script=ns.script,
@@ -241,6 +258,32 @@ def parse_submit(argv: list[str]) -> tuple[SubmitRequest, argparse.Namespace]:
     if ns.requeue and "--resume" not in ns.script_args and "--resume-from" not in ns.script_args:
         log.warning("--requeue without --resume in the script's arguments: a requeued run starts over")
     return request, ns
+
+
+def _check_numbers(ns: argparse.Namespace) -> None:
+    """Every number is checked here, before it is written into the script (sbatch, srun or torchrun
+    would refuse it later on the nodes, or not at all: a negative process count)."""
+    counts = {
+        "--nodes": (ns.nodes, 1, MAX_NODES),
+        "--gpus-per-node": (ns.gpus_per_node, 0, MAX_SLOTS),
+        "--nproc-per-node": (ns.nproc_per_node, 1, MAX_SLOTS),
+        "--cpus-per-task": (ns.cpus_per_task, 1, MAX_CPUS),
+    }
+    for flag, (value, low, high) in counts.items():
+        if value is not None:
+            in_range(
+                flag, value, low, high, why="it is a count", fix=f"give a whole number from {low} to {high}"
+            )
+    if ns.max_restarts is not None and ns.max_restarts < 0:  # torchrun's own rule
+        raise LaunchError(f"--max-restarts {ns.max_restarts}", "torchrun restarts the workers 0 or more times",
+                          "give 0 (no restart) or more")  # fmt: skip
+    if ns.master_port is not None:
+        check_port(
+            "--master-port", ns.master_port, "give a free port, or leave it out to derive one from the job id"
+        )
+    # at 0 there is no time left to save
+    in_range("--signal-before", ns.signal_before, 1, MAX_SIGNAL_TIME, why="it is a time in seconds before the "
+             "time limit", fix="give the seconds a checkpoint needs, e.g. 120 (the default)")  # fmt: skip
 
 
 def _check_directives(ns: argparse.Namespace) -> None:

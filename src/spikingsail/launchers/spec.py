@@ -2,10 +2,36 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.hostfile import Node
+
+MAX_SECONDS = 86_400
+"""The longest timeout a flag takes: a day; more is a typo (and ssh's and torchft's timeouts are ints)."""
+MAX_PORT = 65535
+
+
+def in_range(
+    flag: str, value: float, low: float, high: float, *, why: str, fix: str, above: bool = False
+) -> float:
+    """``value`` when it is finite and from ``low`` (``above``: greater than ``low``) to ``high``;
+    otherwise the error a user reads before anything starts, not the traceback a node prints later."""
+    finite = isinstance(value, int) or math.isfinite(value)  # an int of 400 digits has no float
+    if finite and (value > low if above else value >= low) and value <= high:
+        return value
+    bounds = f"above {low:g}" if above else f"from {low:g}"
+    raise LaunchError(f"{flag} {str(value)[:40]}", f"{why}: a number {bounds} to {high:g}", fix)
+
+
+def check_port(flag: str, value: int, fix: str) -> int:
+    return int(in_range(flag, value, 1, MAX_PORT, why="it is a TCP port", fix=fix))
+
+
+def check_seconds(flag: str, value: float, low: float, fix: str) -> float:
+    """A timeout in seconds above ``low``, finite, at most a day."""
+    return in_range(flag, value, low, MAX_SECONDS, why="it is a time in seconds", fix=fix, above=True)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -68,6 +94,10 @@ class LaunchRequest:
     ft_replicas: int = 0
     """``--ft-replicas``: replica groups recovering from each other through torchft (0: off)."""
     ft_heartbeat_timeout: float = 1.0
+    world_size: int | None = None
+    """How many processes the job's engine counts (every replica group's together), where the
+    command line settles it; None where it does not (an elastic ``--nnodes``, ``--nproc-per-node
+    gpu``, a SLURM allocation's own size)."""
     max_restarts: int = 0
     """torchrun's ``--max-restarts``; with ``--ft-replicas`` also how often a group whose agent ended
     is started again while other groups train."""

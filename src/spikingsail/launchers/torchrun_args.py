@@ -11,6 +11,12 @@ import argparse
 import re
 from dataclasses import dataclass
 
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+from torch.distributed.run import get_rdzv_endpoint, parse_min_max_nnodes
+
+from spikingsail.errors import LaunchError, first_line
+from spikingsail.launchers.spec import check_port
+
 # torchrun flags a multi-node launcher sets itself for every node, and how many values each takes.
 PER_NODE_FLAGS = {
     "--nnodes": 1, "--nproc-per-node": 1, "--rdzv-backend": 1, "--rdzv-endpoint": 1, "--rdzv-id": 1,
@@ -19,6 +25,10 @@ PER_NODE_FLAGS = {
 # Flags with which the user chooses the rendezvous; any of them turns platform mode off.
 RENDEZVOUS_FLAGS = frozenset(f for f in PER_NODE_FLAGS if f != "--nproc-per-node")
 _NPROC_FLAGS = frozenset({"-n", "--nproc-per-node"})
+TORCHRUN_MASTER_PORT = 29500
+"""torchrun's ``--master-port`` when none is given (``torch.distributed.run.run``)."""
+C10D_PORT = 29400
+"""The port of a c10d rendezvous endpoint that names none (torch's ``c10d_rendezvous_backend``)."""
 
 
 def flag_name(arg: str) -> str:
@@ -91,7 +101,7 @@ class TorchrunArgs:
             nnodes=str(ns.nnodes),
             rdzv_endpoint=ns.rdzv_endpoint or None,
             rdzv_id=None if ns.rdzv_id == "none" else ns.rdzv_id,
-            master_port=int(ns.master_port or 29500),
+            master_port=TORCHRUN_MASTER_PORT if ns.master_port is None else int(ns.master_port),
             standalone=bool(ns.standalone),
         )
 
@@ -138,3 +148,55 @@ class TorchrunArgs:
     def without_per_node(self) -> list[str]:
         """The flags every node's agent gets when the launcher sets the per-node ones itself."""
         return strip_flags(self.flags, PER_NODE_FLAGS)
+
+
+def check_values(ns: argparse.Namespace) -> tuple[int, int, int]:
+    """torchrun's own checks of its values, made here before anything starts: torchrun makes them
+    in its agent on every node, which ends with a traceback after the job was started. Uses
+    torchrun's own parsing (``parse_min_max_nnodes``, ``get_rdzv_endpoint``,
+    ``parse_rendezvous_endpoint``), so what passes here is what torchrun accepts (and a master
+    port that is not 0). Returns the (min, max) node counts and the rendezvous port."""
+    nodes = _nnodes(str(ns.nnodes))
+    if ns.max_restarts < 0:
+        raise LaunchError(
+            f"--max-restarts {ns.max_restarts}",
+            "it is how often torchrun starts the workers again after a failure",
+            "give 0 (no restart) or more",
+        )
+    if ns.master_port is not None:  # 0 too: any free port, which the other processes cannot know
+        check_port("--master-port", ns.master_port, "give a free port, e.g. 29500 (torchrun's default)")
+    static = ns.rdzv_backend == "static"
+    port = TORCHRUN_MASTER_PORT if ns.master_port is None else ns.master_port
+    endpoint = get_rdzv_endpoint(argparse.Namespace(**{**vars(ns), "master_port": port}))
+    flag = "--rdzv-endpoint" if ns.rdzv_endpoint else "--master-addr"
+    try:
+        _, chosen = parse_rendezvous_endpoint(endpoint, -1 if static else C10D_PORT)
+    except ValueError as err:
+        raise LaunchError(
+            f"{flag} {(ns.rdzv_endpoint or ns.master_addr)[:80]!r}",
+            f"torchrun refuses it: {first_line(err)}",
+            "write a host name or address"
+            + (", and a port up to 65535 after ':'" if ns.rdzv_endpoint else ""),
+        ) from None
+    if chosen == -1:  # torchrun's static rendezvous has no default port
+        raise LaunchError(
+            f"--rdzv-endpoint {endpoint} names no port",
+            "the static rendezvous (torchrun's default backend) has no default port",
+            "write HOST:PORT, or pass --rdzv-backend c10d",
+        )
+    return (*nodes, chosen)
+
+
+def _nnodes(text: str) -> tuple[int, int]:
+    """``--nnodes N`` or ``MIN:MAX`` as torchrun reads it, with torchrun's rule 0 < MIN <= MAX."""
+    try:
+        low, high = parse_min_max_nnodes(text)
+    except (ValueError, RuntimeError):
+        low, high = 0, -1
+    if not 0 < low <= high:
+        raise LaunchError(
+            f"--nnodes {text[:40]!r}",
+            "it is a number of nodes N, or MIN:MAX for an elastic job, with 1 <= MIN <= MAX",
+            "write e.g. --nnodes 2 or --nnodes 1:4",
+        )
+    return low, high

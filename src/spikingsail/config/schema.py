@@ -157,7 +157,10 @@ class SNNConfig:
     time_chunk: int | str = field(default=0, metadata={"parse": "time_chunk"})
     """Multi-step mode: run a training forward's T steps in chunks of at most this many, keep only
     each chunk's boundary state and recompute a chunk in backward (0: off; "auto": the largest
-    chunk whose estimated activations fit memory_budget_mb)."""
+    chunk whose estimated activations fit memory_budget_mb). The first chunked forward is checked
+    against the whole one (no grad, once): a module that mixes time steps (a mean, attention or a
+    convolution over T), a buffer changed on every call, or a model whose input has no time axis
+    (forward(x) that repeats [N, ...] over T inside) is refused, naming it, before the first step."""
     memory_budget_mb: float | None = ranged(None, _MEMORY_BUDGET)
     """For time_chunk "auto": the activation memory one training forward may keep, in MiB per rank."""
     check_state: bool = False

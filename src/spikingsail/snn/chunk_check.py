@@ -12,7 +12,7 @@ it is about to use, and compares every module's inputs and outputs along the way
 Both runs start from the same neuron state, buffers and RNG state, with torch's batch norms and
 dropouts in eval mode (the comparison is then deterministic and no running statistic moves) and
 autocast off (float32 rounding, not bf16's, between the two); everything is put back afterwards.
-Each module call keeps a fingerprint per index of each dimension (three float64 sums), not its
+Each module call keeps a fingerprint per index of each dimension (three sums, in float64), not its
 output, so the check holds what a no-grad forward holds: one no-grad forward of the micro-batch, as
 an evaluation step does, plus one chunk's.
 """
@@ -58,7 +58,7 @@ class _Recorder:
         self.names = {id(m): name for name, m in model.named_modules()}
         self.stepping = stepping
         self.calls: dict[str, list[_Call]] = {}  # in the order the modules first return
-        self._weights: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._weights: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         self._handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in model.modules()]
 
     def close(self) -> None:
@@ -68,29 +68,36 @@ class _Recorder:
     def _hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         first = args[0] if args else None
         stepping = id(module) in self.stepping and isinstance(first, torch.Tensor) and first.dim() > 0
-        steps = first.shape[0] if stepping else None
+        steps = int(first.shape[0]) if stepping and first is not None else None
         call = _Call(self._seen((args, kwargs)), self._seen(output), steps)
         self.calls.setdefault(self.names[id(module)], []).append(call)
 
     def _seen(self, tree: Any) -> list[_Seen]:
-        return [self._fingerprint(t) for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and not t.is_complex()]
+        return [
+            self._fingerprint(t)
+            for t in tree_leaves(tree)
+            if isinstance(t, torch.Tensor) and not t.is_complex()
+        ]
 
     def _fingerprint(self, tensor: torch.Tensor) -> _Seen:
         t = tensor.detach()
         rtol = max(1e-5, 2 * torch.finfo(t.dtype).eps) if t.is_floating_point() else 0.0
+        t = t if t.is_floating_point() else t.double()  # masks and counters: small
         t = t.reshape(1) if t.dim() == 0 else t
         rows = []
-        for d in range(t.dim()):
-            flat = t.movedim(d, 0).reshape(t.shape[d], -1).double()
-            rows.append(torch.stack([flat.sum(1), flat.abs().sum(1), flat @ self._weight(flat)], 1))
+        for d in range(t.dim()):  # in the tensor's own dtype, summed in float64: no float64 copy of it
+            flat = t.movedim(d, 0).reshape(t.shape[d], -1)
+            sums = flat.sum(1, dtype=torch.float64)
+            magnitudes = torch.linalg.vector_norm(flat, 1, dim=1, dtype=torch.float64)
+            rows.append(torch.stack([sums, magnitudes, (flat @ self._weight(flat)).double()], 1))
         return _Seen(tuple(tensor.shape), rtol, tuple(rows))
 
     def _weight(self, flat: torch.Tensor) -> torch.Tensor:
         """A fixed, irregular weight per position: a sum that also sees values moved within a row."""
-        key = (flat.shape[1], flat.device)
+        key = (flat.shape[1], flat.dtype, flat.device)
         if key not in self._weights:
             positions = torch.arange(flat.shape[1], dtype=torch.float64, device=flat.device)
-            self._weights[key] = torch.cos(positions * 0.618034 + 0.5)
+            self._weights[key] = torch.cos(positions * 0.618034 + 0.5).to(flat.dtype)
         return self._weights[key]
 
 
@@ -149,7 +156,9 @@ def _device_type(model: nn.Module) -> str:
     return parameter.device.type if parameter is not None else "cpu"
 
 
-def _check_time_axis(runs: list[dict[str, list[_Call]]], lengths: list[int], x: torch.Tensor, what: str) -> None:
+def _check_time_axis(
+    runs: list[dict[str, list[_Call]]], lengths: list[int], x: torch.Tensor, what: str
+) -> None:
     """Every multi-step memory module (neurons, BNTT) steps through the time steps the call was given."""
     for calls, length in zip(runs, lengths, strict=True):
         for name, module_calls in calls.items():
@@ -293,4 +302,3 @@ def _restored(model: nn.Module, slots: Slots, device: torch.device) -> Iterator[
         restart()
         for m in frozen:
             m.training = True
-

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from spikingsail.cli import doctor
 from spikingsail.cli.main import main
@@ -49,6 +50,7 @@ def sail(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]
         (["--ft-replicas", "2", "--ft-heartbeat-timeout", "nan"], "--ft-heartbeat-timeout nan"),
         (["--ft-replicas", "2", "--ft-heartbeat-timeout", "1e300"], "--ft-heartbeat-timeout 1e+300"),
         (["--launcher-args", "--mca 'unbalanced"], "No closing quotation"),
+        (["-H", "a:1", "--ssh-config", "no-such-file"], "--ssh-config no-such-file: cannot read it"),
     ],
 )
 def test_launch_refuses_a_bad_value_before_anything_starts(
@@ -57,6 +59,14 @@ def test_launch_refuses_a_bad_value_before_anything_starts(
     status, err = sail(["launch", "--dry-run", "-n", "1", *flags, "train.py"], capsys)
     assert status == 2 and message in err and "Traceback" not in err, err
     assert err.startswith("sail launch: ") and "why: " in err and "fix: " in err, err
+
+
+def test_gpu_processes_need_a_gpu_here(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """torchrun refuses --nproc-per-node gpu where torch sees no GPU; on this machine that is known now."""
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a GPU here: --nproc-per-node gpu is one process per GPU")
+    status, err = sail(["launch", "--dry-run", "-n", "gpu", "train.py"], capsys)
+    assert status == 2 and "--nproc-per-node gpu on a machine where torch sees no CUDA GPU" in err, err
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import os
 import shlex
 from pathlib import Path
 
+import torch
 from torch.distributed.run import get_args_parser
 
 from spikingsail.errors import LaunchError
@@ -163,6 +164,12 @@ def parse_request(argv: list[str]) -> LaunchRequest:
         # among its defaults, and the agent would die of it without telling the workers to save.
         flags = [*flags, "--signals-to-handle", FORWARDED_SIGNALS]
     nodes = _apply_nproc(nodes, torchrun) if nodes else None
+    if name == "local" and not nodes and torchrun.nproc_per_node == "gpu" and not torch.cuda.is_available():
+        raise LaunchError(
+            "--nproc-per-node gpu on a machine where torch sees no CUDA GPU",
+            "torchrun starts one process per GPU it sees here, and refuses 'gpu' without one",
+            "give a process count, or cpu (one process per CPU core)",
+        )
     _check_spread(nnodes, nodes)
     groups = _ft_replicas(ns.ft_replicas, nodes, torchrun.nproc_per_node)
     return LaunchRequest(
@@ -194,6 +201,14 @@ def parse_request(argv: list[str]) -> LaunchRequest:
 
 
 def _ssh(ns: argparse.Namespace) -> SSHOptions:
+    if ns.ssh_config is not None and not (
+        Path(ns.ssh_config).is_file() and os.access(ns.ssh_config, os.R_OK)
+    ):
+        raise LaunchError(
+            f"--ssh-config {ns.ssh_config}: cannot read it",
+            "ssh -F stops at a config file it cannot read, on the first connection",
+            "check the path (ssh reads it here, on this machine)",
+        )
     return SSHOptions(
         port=None
         if ns.ssh_port is None

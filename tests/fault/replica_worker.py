@@ -180,9 +180,9 @@ def perturb_before_joining() -> None:
 
 def fail_first_heal(marker: Path) -> None:
     """The first checkpoint this process fetches from a live group fails (once per group)."""
-    from torchft.checkpointing.http_transport import HTTPTransport
+    from spikingsail.engine.replica_transport import SignedStateTransport
 
-    original = HTTPTransport.recv_checkpoint
+    original = SignedStateTransport.recv_checkpoint
 
     def recv_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not marker.exists():
@@ -190,7 +190,7 @@ def fail_first_heal(marker: Path) -> None:
             raise ConnectionResetError("the live group's rank went away mid-transfer (injected)")
         return original(self, *args, **kwargs)
 
-    HTTPTransport.recv_checkpoint = recv_checkpoint  # type: ignore[method-assign]
+    SignedStateTransport.recv_checkpoint = recv_checkpoint  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

@@ -315,6 +315,7 @@ def test_a_group_alone_continues_from_the_furthest_checkpoint_of_any_group(tmp_p
             "REPLICA_GROUP_ID": "1",
             "NUM_REPLICA_GROUPS": "2",
             "TORCHFT_LIGHTHOUSE": address,
+            "SAIL_REPLICA_SECRET": "ab" * 32,
         }
         done = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(WORKER),
@@ -346,7 +347,13 @@ def test_launch_plans_the_lighthouse_and_one_agent_per_group(
     assert lighthouse.argv[0] == sys.executable and Path(lighthouse.argv[1]).name == "torchft_lighthouse.py"
     assert lighthouse.argv[lighthouse.argv.index("--bind") + 1] == "127.0.0.1:29999"
     assert [c.env["REPLICA_GROUP_ID"] for c in groups] == ["0", "1", "2"]
+    secret = groups[0].env["SAIL_REPLICA_SECRET"]
+    assert (
+        len(bytes.fromhex(secret)) == 32 and secret != ReplicaPlan(3, 1000, 10000, 29999).secret
+    )  # one per job
     for command in groups:
+        assert command.env["SAIL_REPLICA_SECRET"] == secret  # in the environment only
+        assert secret not in " ".join(command.argv) and secret not in command.render()
         assert command.env["NUM_REPLICA_GROUPS"] == "3"
         assert command.env["TORCHFT_LIGHTHOUSE"] == "http://127.0.0.1:29999"
         assert command.argv[1:3] == ["-m", "torch.distributed.run"]
@@ -431,7 +438,11 @@ def test_launch_spreads_the_groups_over_the_hostfile_nodes(tmp_path: Path) -> No
         assert sub.env["REPLICA_GROUP_ID"] == str(group) and sub.env["NUM_REPLICA_GROUPS"] == "2"
         assert sub.env["TORCHFT_LIGHTHOUSE"] == "http://10.0.0.9:29999"
         assert sub.env["HF_TOKEN"] == "secret"
-        agents = " ".join(command.render() for command in plan(sub))
+        assert sub.env["SAIL_REPLICA_SECRET"] == replicas.secret  # shipped in the nodes' 0600 file
+        commands = plan(sub)
+        assert any(replicas.secret in str(upload.env) for c in commands for upload in c.uploads)
+        assert not any(replicas.secret in " ".join(c.argv) for c in commands)
+        agents = " ".join(command.render() for command in commands)
         first = (sub.nodes or [])[0].host
         assert f"--rdzv-endpoint {first}:29500" in agents and "--nnodes 2" in agents
 
@@ -543,8 +554,9 @@ def test_the_replica_environment_is_read_and_checked() -> None:
     from spikingsail.engine.replicas import ReplicaEnv
 
     assert ReplicaEnv.from_env({}) is None
-    env = {"REPLICA_GROUP_ID": "1", "NUM_REPLICA_GROUPS": "3", "TORCHFT_LIGHTHOUSE": "http://h:1"}
-    assert ReplicaEnv.from_env(env) == ReplicaEnv(1, 3, "http://h:1")
+    env = {"REPLICA_GROUP_ID": "1", "NUM_REPLICA_GROUPS": "3", "TORCHFT_LIGHTHOUSE": "http://h:1",
+           "SAIL_REPLICA_SECRET": "ab" * 32}  # fmt: skip
+    assert ReplicaEnv.from_env(env) == ReplicaEnv(1, 3, "http://h:1", bytes([0xAB] * 32))
     with pytest.raises(ConfigError, match="replica group 3 of 3"):
         ReplicaEnv.from_env({**env, "REPLICA_GROUP_ID": "3"})
     with pytest.raises(ConfigError, match="both integers"):
@@ -562,6 +574,7 @@ def test_a_refused_replica_engine_leaves_nothing_running(
     monkeypatch.setenv("REPLICA_GROUP_ID", "0")
     monkeypatch.setenv("NUM_REPLICA_GROUPS", "2")
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:1")
+    monkeypatch.setenv("SAIL_REPLICA_SECRET", "ab" * 32)
     threads = set(threading.enumerate())
     config = {"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True},
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "checkpoint": {"path": str(tmp_path / "ckpt")}}  # fmt: skip

@@ -39,7 +39,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,14 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from spikingsail.config.schema import FaultToleranceConfig, SailConfig
 from spikingsail.data.sampler import split_batch
 from spikingsail.environments import RankInfo
-from spikingsail.environments.replica_groups import ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, address_on_route_to
+from spikingsail.environments.replica_groups import (
+    ENV_GROUP,
+    ENV_GROUPS,
+    ENV_LIGHTHOUSE,
+    ENV_SECRET,
+    SECRET_BYTES,
+    address_on_route_to,
+)
 from spikingsail.errors import ConfigError, SailError
 
 log = logging.getLogger(__name__)
@@ -66,6 +73,8 @@ class ReplicaEnv:
     group: int
     groups: int
     lighthouse: str
+    secret: bytes = field(default=b"", repr=False)
+    """What a group's state is signed with for another group to load it (``replica_transport``)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ReplicaEnv | None:
@@ -86,7 +95,23 @@ class ReplicaEnv:
                 "the group must be one of 0..R-1 and the lighthouse's address must be set",
                 "start the job with sail launch --ft-replicas R",
             )
-        return cls(group, groups, env[ENV_LIGHTHOUSE])
+        return cls(group, groups, env[ENV_LIGHTHOUSE], _secret(env.get(ENV_SECRET, "")))
+
+
+def _secret(text: str) -> bytes:
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        secret = b""
+    if len(secret) != SECRET_BYTES:
+        raise ConfigError(
+            f"{ENV_SECRET} is {'not set' if not text else 'not ' + str(2 * SECRET_BYTES) + ' hex digits'}",
+            "a replica group loads another group's state only when it is signed with the job's secret",
+            f"start the job with sail launch --ft-replicas R, which sets it; or set {ENV_SECRET} to the "
+            f"same {2 * SECRET_BYTES} hex digits (python -c 'import secrets; print(secrets.token_hex())') "
+            "for every group",
+        )
+    return secret
 
 
 def group_checkpoints(root: str | Path, group: int) -> Path:
@@ -185,36 +210,22 @@ class ReplicaGroups:
         tensors: Callable[[], Iterable[torch.Tensor]],
     ) -> None:
         from torchft import Manager
-        from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
+        from torchft.process_group import ProcessGroupBabyNCCL
+
+        from spikingsail.engine.replica_transport import BoundGloo, manager_bound_to
 
         self.env = env
         self.group_size = rank_info.world_size
         self.group_rank = rank_info.rank
         timeout = timedelta(seconds=config.timeout_seconds)
-        pg = (
-            ProcessGroupBabyNCCL(timeout=timeout)
-            if device.type == "cuda"
-            else ProcessGroupGloo(timeout=timeout)
-        )
+        # every socket of torchft's here on the address the other groups reach this one at
+        address = address_towards_lighthouse(env.lighthouse)
+        pg = ProcessGroupBabyNCCL(timeout=timeout) if device.type == "cuda" else BoundGloo(address, timeout)
         _forget_previous_manager(rank_info)
         _end_with_the_agent(env.group)
         get_state, load_state = state
-        self.manager = Manager(
-            pg=pg,
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=config.min_replicas,
-            use_async_quorum=False,  # a healing group loads the peer's state inside start_quorum
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=config.quorum_timeout_seconds),
-            connect_timeout=timedelta(seconds=config.connect_timeout_seconds),
-            rank=rank_info.rank,
-            world_size=rank_info.world_size,
-            lighthouse_addr=env.lighthouse,
-            replica_id=f"sail_{env.group}",
-            hostname=address_towards_lighthouse(env.lighthouse),
-            quorum_retries=config.quorum_retries,
-        )
+        with manager_bound_to(address):
+            self.manager = _manager(Manager, config, env, rank_info, pg, address, device)
         self.manager.register_state_dict_fn("sail", load_state, get_state)
         self.device, self._tensors = device, tensors
         self._in_step = False
@@ -328,6 +339,33 @@ class ReplicaGroups:
         pending = getattr(self.manager, "_quorum_future", None)
         self.manager.shutdown(wait=pending is None or pending.done())
         self.manager._pg.shutdown()  # torchft's own name; its wrapper drops the gloo/NCCL group
+
+
+def _manager(
+    manager: Any, config: FaultToleranceConfig, env: ReplicaEnv, rank_info: RankInfo, pg: Any,
+    address: str, device: torch.device,
+) -> Any:  # fmt: skip
+    """torchft's ``Manager`` for this rank, advertising ``address``, healing over ``pg``."""
+    from spikingsail.engine.replica_transport import SignedStateTransport
+
+    timeout = timedelta(seconds=config.timeout_seconds)
+    return manager(
+        pg=pg,
+        checkpoint_transport=SignedStateTransport(pg, env.secret, device),  # not torchft's HTTP server
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=config.min_replicas,
+        use_async_quorum=False,  # a healing group loads the peer's state inside start_quorum
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=config.quorum_timeout_seconds),
+        connect_timeout=timedelta(seconds=config.connect_timeout_seconds),
+        rank=rank_info.rank,
+        world_size=rank_info.world_size,
+        lighthouse_addr=env.lighthouse,
+        replica_id=f"sail_{env.group}",
+        hostname=address,
+        quorum_retries=config.quorum_retries,
+    )
 
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb

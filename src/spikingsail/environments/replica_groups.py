@@ -8,6 +8,10 @@ import socket
 ENV_GROUP = "REPLICA_GROUP_ID"
 ENV_GROUPS = "NUM_REPLICA_GROUPS"
 ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
+ENV_SECRET = "SAIL_REPLICA_SECRET"  # noqa: S105 - the variable's name, not a secret
+"""The job's secret (64 hex digits), which a group's state must be signed with for another to load
+it; in the environment only (``/proc/PID/environ`` is the owner's), never on a command line."""
+SECRET_BYTES = 32
 
 
 def address_on_route_to(host: str, port: int) -> str:

@@ -23,17 +23,25 @@ import importlib.util
 import logging
 import os
 import pickle
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from spikingsail.environments.replica_groups import ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, address_on_route_to
+from spikingsail.environments.replica_groups import (
+    ENV_GROUP,
+    ENV_GROUPS,
+    ENV_LIGHTHOUSE,
+    ENV_SECRET,
+    SECRET_BYTES,
+    address_on_route_to,
+)
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.command import FORWARDED, LaunchCommand, python_module
 from spikingsail.launchers.lifeline import die_with_this_process
@@ -62,6 +70,9 @@ class ReplicaPlan:
     lighthouse_host: str = "127.0.0.1"
     """The address the groups reach the lighthouse at: this machine's address towards the nodes
     with ``-H``, else loopback."""
+    secret: str = field(default_factory=lambda: secrets.token_hex(SECRET_BYTES), repr=False)
+    """The job's own: a group loads another's state only when signed with it (in the groups'
+    environment, or the nodes' 0600 environment file; never on a command line)."""
 
 
 def plan_replica_groups(request: LaunchRequest, replicas: ReplicaPlan) -> list[LaunchCommand]:
@@ -149,6 +160,7 @@ def group_env(group: int, replicas: ReplicaPlan) -> dict[str, str]:
         ENV_GROUP: str(group),
         ENV_GROUPS: str(replicas.groups),
         ENV_LIGHTHOUSE: f"http://{replicas.lighthouse_host}:{replicas.lighthouse_port}",
+        ENV_SECRET: replicas.secret,
     }
 
 

@@ -355,6 +355,10 @@ def _choose(training: TrainingState, load_dir: str | Path, tag: str | None) -> t
         raise CheckpointError(*chosen[0])
     path = store.root / str(chosen[0])
     saved = dcp_io.load_weights_only(path / "engine.pt")
+    if not isinstance(saved, dict):  # its hash matched the manifest: written so, not damaged on disk
+        raise CheckpointError(f"{path / 'engine.pt'} is not a SpikingSail engine file",
+                              f"it holds a {type(saved).__name__}, not a dict",
+                              "load another tag (engine.load_checkpoint(DIR, TAG)), or start a new run")  # fmt: skip
     _check_format(training.backend, path, saved)
     return path, saved
 

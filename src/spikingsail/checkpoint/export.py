@@ -16,9 +16,12 @@ rank's optimizer partition), with its ``torch.load`` calls restricted to weights
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
+import math
 import os
+import resource
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +33,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from spikingsail.checkpoint import dcp_io
+from spikingsail.checkpoint.faults import filesystem, free_bytes
 from spikingsail.checkpoint.store import MANIFEST, CheckpointStore, replace_durably
 from spikingsail.errors import CheckpointError, first_line
 
@@ -80,14 +84,41 @@ def write_model(state: dict[str, torch.Tensor], path: str | Path, metadata: dict
         else:
             torch.save(state, temporary)
         replace_durably(temporary, out)
-    except OSError as err:
-        raise CheckpointError(
-            f"could not write {out}", first_line(err), "check free space and permissions"
-        ) from None
+    except Exception as err:  # torch.save and safetensors report a failed write without an OSError
+        raise _write_error(out, state, err) from None
     finally:
         with contextlib.suppress(FileNotFoundError):
             temporary.unlink()
     return out
+
+
+def _write_error(out: Path, state: dict[str, torch.Tensor], err: Exception) -> CheckpointError:
+    """Why writing ``out`` failed, in words: a full disk and a file size limit are told apart from
+    the free space (torch.save says "basic_ios::clear" or "unexpected pos", safetensors "No space
+    left on device" or nothing, with no errno)."""
+    code = next((e.errno for e in _causes(err) if isinstance(e, OSError) and e.errno), None)
+    needed = sum(t.numel() * t.element_size() for t in state.values())
+    free = free_bytes(out.parent)
+    detail = f"{type(err).__name__}: {first_line(err)}"
+    if code in (errno.ENOSPC, errno.EDQUOT) or (code is None and free is not None and free < needed):
+        room = "" if free is None else f"; {free / 1e6:.1f} MB are free on {filesystem(out.parent)}"
+        return CheckpointError(f"could not write {out}: the disk is full",
+                               f"the model takes about {needed / 1e6:.1f} MB{room} ({detail})",
+                               "free space there, or write the model to another filesystem")  # fmt: skip
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if code == errno.EFBIG or (code is None and limit != resource.RLIM_INFINITY and limit < needed):
+        shown = "" if limit == resource.RLIM_INFINITY else f" of {limit / 1e6:.1f} MB"
+        return CheckpointError(f"could not write {out}: the file would exceed the file size limit{shown}",
+                               f"the model takes about {needed / 1e6:.1f} MB ({detail})",
+                               "raise the limit (ulimit -f), or write the model in a smaller dtype")  # fmt: skip
+    return CheckpointError(f"could not write {out}", detail, "check free space and permissions there")
+
+
+def _causes(err: BaseException) -> Iterator[BaseException]:
+    seen: BaseException | None = err
+    while seen is not None:
+        yield seen
+        seen = seen.__cause__ or seen.__context__
 
 
 def model_metadata(backend: str, global_steps: object, **extra: str) -> dict[str, str]:
@@ -123,10 +154,13 @@ class CheckpointInfo:
     size_bytes: int
     created: float
     latest: bool
+    problem: str = ""
+    """Why the checkpoint cannot be read (its manifest or engine.pt is damaged); "" when it can."""
 
 
 def describe(directory: str | Path) -> list[CheckpointInfo]:
-    """The complete checkpoints of ``directory``, oldest first (``sail checkpoint ls``)."""
+    """The complete checkpoints of ``directory``, oldest first (``sail checkpoint ls``); a damaged
+    one is listed with its ``problem``, not skipped."""
     store = CheckpointStore(directory)
     if not store.root.is_dir():
         raise CheckpointError(f"{store.root} is not a directory", fix="give the --checkpoints-path of a run")
@@ -134,17 +168,27 @@ def describe(directory: str | Path) -> list[CheckpointInfo]:
     found = []
     for tag in store.tags():
         path = store.root / tag
-        manifest = store.metadata(tag)
-        files = manifest.get("files", {})
-        engine = _engine_file(path)
+        try:
+            manifest = store.metadata(tag)
+            engine = _engine_file(path)
+        except CheckpointError as err:
+            found.append(CheckpointInfo(tag=tag, path=path, global_steps=-1, world_size=-1, backend="?",
+                                        state_format="?", size_bytes=-1, created=path.stat().st_mtime,
+                                        latest=tag == latest, problem=_told(err)))  # fmt: skip
+            continue
         found.append(CheckpointInfo(
-            tag=tag, path=path, global_steps=int(manifest.get("global_steps", -1)),
-            world_size=int(manifest.get("world_size", -1)), backend=str(engine.get("backend", "?")),
-            state_format=str(engine.get("state_format", "dcp")),
-            size_bytes=sum(int(entry["size"]) for entry in files.values()),
-            created=float(manifest.get("created", 0.0)), latest=tag == latest,
+            tag=tag, path=path, global_steps=manifest.get("global_steps", -1),
+            world_size=manifest.get("world_size", -1), backend=engine.get("backend", "?"),
+            state_format=engine.get("state_format", "dcp"),
+            size_bytes=sum(entry["size"] for entry in manifest["files"].values()),
+            created=float(manifest.get("created", path.stat().st_mtime)), latest=tag == latest,
         ))  # fmt: skip
     return found
+
+
+def _told(err: CheckpointError) -> str:
+    """What is wrong and why, on one line."""
+    return f"{err.what} ({err.why})" if err.why else err.what
 
 
 def read_model(directory: str | Path, tag: str | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -152,31 +196,70 @@ def read_model(directory: str | Path, tag: str | None) -> tuple[dict[str, torch.
 
     Returns (state dict on the CPU in the saved dtypes, what ``engine.pt`` says of the run)."""
     store = CheckpointStore(directory)
-    chosen = store.resolve(tag)  # verified against its manifest
+    chosen = store.resolve(tag, check=_engine_file)  # verified against its manifest, engine.pt read
     path = store.root / chosen
     engine = _engine_file(path)
-    state_format = str(engine.get("state_format", "dcp"))
+    state_format = engine.get("state_format", "dcp")
     if state_format == "dcp":
         state = _read_dcp_model(path / "state")
-    elif state_format == "deepspeed":
+    else:  # "deepspeed": _engine_file knows no other
         state = _read_deepspeed_model(path / "state", engine)
-    else:
-        raise CheckpointError(f"{path} holds {state_format} state, which this version cannot read",
-                              fix="export it with the SpikingSail version that wrote it")  # fmt: skip
     engine["tag"] = chosen
     return state, engine
 
 
 def _engine_file(path: Path) -> dict[str, Any]:
+    """``engine.pt``, read weights-only and checked: the keys this module reads, of their types."""
     try:
-        loaded: dict[str, Any] = torch.load(path / "engine.pt", map_location="cpu", weights_only=True)
+        loaded = torch.load(path / "engine.pt", map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path / 'engine.pt'} is missing",
                               f"{path} is not a SpikingSail checkpoint") from None  # fmt: skip
     except Exception as err:  # torch raises several types for damaged files
         raise CheckpointError(f"cannot read {path / 'engine.pt'}", first_line(err),
                               "the checkpoint is damaged; use another tag") from None  # fmt: skip
-    return loaded
+    problem = _engine_problem(loaded) or _state_problem(path, loaded)
+    if problem:
+        raise CheckpointError(f"{path / 'engine.pt'} is not a SpikingSail engine file", problem,
+                              "the checkpoint is damaged; use another tag")  # fmt: skip
+    engine: dict[str, Any] = loaded
+    return engine
+
+
+_ENGINE_TYPES: dict[str, type[Any]] = {"backend": str, "state_format": str, "config": str,
+                                       "global_steps": int, "world_size": int}  # fmt: skip
+
+
+def _engine_problem(loaded: Any) -> str | None:
+    if not isinstance(loaded, dict):
+        return f"it holds a {type(loaded).__name__}, not a dict"
+    for key, kind in _ENGINE_TYPES.items():
+        value = loaded.get(key, kind())
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"its {key!r} is {value!r}, not a {kind.__name__}"
+    try:
+        config = json.loads(loaded.get("config", "{}"))
+    except (ValueError, RecursionError) as err:
+        return f"its 'config' is not JSON ({first_line(err)})"
+    zero = config.get("zero_optimization", {}) if isinstance(config, dict) else None
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+    if not isinstance(stage, int | float) or isinstance(stage, bool) or not math.isfinite(stage):
+        return "its 'config' is not a config with a ZeRO stage"
+    return None
+
+
+def _state_problem(path: Path, engine: dict[str, Any]) -> str | None:
+    """Whether ``state/`` holds the format engine.pt names (a reader of the other would fail deep inside)."""
+    state_format = engine.get("state_format", "dcp")
+    if state_format == "dcp":
+        found = (path / "state" / dcp_io.METADATA).is_file()
+    elif state_format == "deepspeed":
+        from spikingsail.backends.deepspeed import STATE_TAG
+
+        found = (path / "state" / STATE_TAG).is_dir()
+    else:
+        return f"it names {state_format!r} state, which this version cannot read (dcp or deepspeed)"
+    return None if found else f"it names {state_format} state, which {path / 'state'} does not hold"
 
 
 def _read_dcp_model(directory: Path) -> dict[str, torch.Tensor]:
@@ -205,7 +288,7 @@ def _read_deepspeed_model(directory: Path, engine: dict[str, Any]) -> dict[str, 
     ``zero_to_fp32`` (fp32 master weights); stage 0 from the model file."""
     from spikingsail.backends.deepspeed import STATE_TAG
 
-    config = json.loads(engine.get("config", "{}"))
+    config = json.loads(engine.get("config", "{}"))  # checked by _engine_file
     stage = int(config.get("zero_optimization", {}).get("stage", 0))
     ds_dir = directory / STATE_TAG
     try:

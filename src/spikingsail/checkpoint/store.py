@@ -17,9 +17,12 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
+import re
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -116,9 +119,10 @@ class CheckpointStore:
     def size(self, tag: str) -> int | None:
         """The bytes of a finished checkpoint, from its manifest (None when unreadable)."""
         try:
-            return sum(int(entry["size"]) for entry in self.metadata(tag)["files"].values())
-        except (OSError, ValueError, KeyError, TypeError):
+            files = self.metadata(tag)["files"]
+        except CheckpointError:
             return None
+        return sum(int(entry["size"]) for entry in files.values())
 
     def recover(self) -> None:
         """Put back a checkpoint moved aside by a re-save that died before its replacement was in
@@ -151,10 +155,16 @@ class CheckpointStore:
         return [p.name for p in sorted(found, key=_manifest_time) if (p / MANIFEST).is_file()]
 
     def latest(self) -> str | None:
+        """The tag ``latest`` names (as written; bytes that are not UTF-8 replaced, so that a damaged
+        pointer names no tag and a resume falls back), or None without a pointer."""
         pointer = self.root / LATEST
-        return pointer.read_text().strip() if pointer.is_file() else None
+        try:
+            return pointer.read_bytes().decode("utf-8", "replace").strip() if pointer.is_file() else None
+        except OSError:
+            return None
 
     def verify(self, tag: str) -> Path:
+        _check_tag(tag)
         path = self.root / tag
         manifest_path = path / MANIFEST
         if not manifest_path.is_file():
@@ -163,10 +173,7 @@ class CheckpointStore:
                 "the manifest is written last, so the save did not finish",
                 "resume from another tag, or from 'latest'",
             )
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as err:
-            raise CheckpointError(f"{manifest_path} is corrupt", str(err)) from None
+        manifest = read_manifest(manifest_path)
         for name, expected in manifest["files"].items():
             file = path / name
             if not file.is_file():
@@ -186,11 +193,18 @@ class CheckpointStore:
                 )
         return path
 
-    def resolve(self, tag: str | None) -> str:
-        """The tag to load: ``tag`` verified, or the newest checkpoint that verifies."""
+    def resolve(self, tag: str | None, check: Callable[[Path], object] | None = None) -> str:
+        """The tag to load: ``tag`` verified, or the newest checkpoint that verifies. ``check``: what
+        else a checkpoint must pass to be loaded (it raises ``CheckpointError``), as verify does."""
         self.recover()
+
+        def usable(name: str) -> None:
+            path = self.verify(name)
+            if check is not None:
+                check(path)
+
         if tag is not None:
-            self.verify(tag)
+            usable(tag)
             return tag
         latest = self.latest()
         candidates = self.tags()
@@ -202,7 +216,7 @@ class CheckpointStore:
             problems.append(f"'{LATEST}' names {latest}, which is missing or has no {MANIFEST}")
         for candidate in reversed(candidates):
             try:
-                self.verify(candidate)
+                usable(candidate)
             except CheckpointError as err:
                 problems.append(first_line(err))
                 continue
@@ -226,8 +240,96 @@ class CheckpointStore:
         return bool(self.tags()) or self.latest() is not None or moved_aside
 
     def metadata(self, tag: str) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads((self.root / tag / MANIFEST).read_text())
-        return data
+        """The manifest of ``tag``, checked (``read_manifest``)."""
+        _check_tag(tag)
+        return read_manifest(self.root / tag / MANIFEST)
+
+
+class ManifestError(CheckpointError, ValueError):
+    """A manifest that is not one SpikingSail wrote: unreadable, not JSON, or of another shape. (Also
+    a ValueError, as reading a damaged manifest raised before its shape was checked.)"""
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_MAX_COUNT = 2**63 - 1  # sizes, steps and world sizes are int64 wherever they are used
+_MAX_TIME = 1e11  # seconds since 1970: year 5138, within what datetime shows
+_OPTIONAL_COUNTS = {"global_steps": 0, "micro_steps": 0, "world_size": 1}  # key: its least value
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """A checkpoint's ``manifest.json``, read and checked in one place: every shape that is not the
+    one ``commit`` writes raises ``ManifestError`` (what, why, fix), so that the callers (verify,
+    resolve's fallback, ``sail checkpoint``) can use what it returns without further checks."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+        data = json.loads(text)
+    except OSError as err:
+        raise ManifestError(f"cannot read {path}", first_line(err), _MANIFEST_FIX) from None
+    except UnicodeDecodeError as err:
+        raise ManifestError(f"{path} is corrupt", f"byte {err.start} is not UTF-8", _MANIFEST_FIX) from None
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, an integer of too many digits
+        raise ManifestError(f"{path} is corrupt", f"not JSON: {first_line(err)}", _MANIFEST_FIX) from None
+    problem = _manifest_problem(data)
+    if problem:
+        raise ManifestError(f"{path} is corrupt", problem, _MANIFEST_FIX)
+    return dict(data)
+
+
+_MANIFEST_FIX = (
+    "use another checkpoint: a resume or an export without a tag falls back to the newest good one"
+)
+
+
+def _manifest_problem(data: Any) -> str | None:
+    """What is wrong with a decoded manifest (None: nothing)."""
+    if not isinstance(data, dict):
+        return f"it holds a JSON {_kind(data)}, not an object"
+    files = data.get("files")
+    if not isinstance(files, dict):
+        return "it has no 'files' object" if files is None else f"'files' is a JSON {_kind(files)}"
+    for name, entry in files.items():
+        problem = _file_entry_problem(name, entry)
+        if problem:
+            return f"'files' entry {name!r}: {problem}"
+    created = data.get("created", 0.0)
+    if not _is_number(created) or not 0 <= created < _MAX_TIME:
+        return f"'created' is {created!r}, not a time in seconds since 1970"
+    for key, least in _OPTIONAL_COUNTS.items():
+        value = data.get(key, least)
+        if not _is_count(value, least):
+            return f"{key!r} is {value!r}, not an integer ≥ {least}"
+    return None
+
+
+def _file_entry_problem(name: str, entry: Any) -> str | None:
+    parts = name.split("/")
+    if not name or "\x00" in name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        return "not a relative path inside the checkpoint"
+    if name == MANIFEST:
+        return "the manifest cannot list itself"
+    if not isinstance(entry, dict):
+        return f"a JSON {_kind(entry)}, not an object with 'size' and 'sha256'"
+    if not _is_count(entry.get("size"), 0):
+        return f"'size' is {entry.get('size')!r}, not a number of bytes"
+    if not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
+        return f"'sha256' is {entry.get('sha256')!r}, not 64 lower-case hex digits"
+    return None
+
+
+def _is_count(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value <= _MAX_COUNT
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return abs(value) <= _MAX_COUNT if isinstance(value, int) else math.isfinite(value)
+
+
+def _kind(value: Any) -> str:
+    """A decoded JSON value's type, as JSON names it."""
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return names.get(type(value), "null")
 
 
 def seal(root: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
@@ -248,7 +350,7 @@ def seal(root: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
 
 
 def _check_tag(tag: str) -> None:
-    if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
+    if not tag or "/" in tag or "\x00" in tag or tag.startswith(".") or tag == LATEST:
         raise CheckpointError(
             f"checkpoint tag {tag!r} is not a plain directory name", fix="use e.g. global_step100"
         )
@@ -256,8 +358,8 @@ def _check_tag(tag: str) -> None:
 
 def _manifest_time(path: Path) -> float:
     try:
-        return float(json.loads((path / MANIFEST).read_text())["created"])
-    except (OSError, ValueError, KeyError):
+        return float(read_manifest(path / MANIFEST).get("created", path.stat().st_mtime))
+    except CheckpointError:  # a damaged manifest: the directory's own time orders it
         return path.stat().st_mtime
 
 

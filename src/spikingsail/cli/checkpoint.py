@@ -14,7 +14,7 @@ from pathlib import Path
 
 from spikingsail.checkpoint import export
 from spikingsail.checkpoint.store import CheckpointStore
-from spikingsail.errors import CheckpointError, first_line
+from spikingsail.errors import CheckpointError
 
 
 def parser() -> argparse.ArgumentParser:
@@ -54,18 +54,28 @@ def run(argv: list[str]) -> int:
 def _ls(directory: Path) -> int:
     found = export.describe(directory)
     if not found:
-        print(f"{directory}: no complete checkpoint")
+        print(f"{_shown(directory)}: no complete checkpoint")
         return 1
     rows = [("tag", "step", "world", "backend", "size", "written")]
     for info in found:
         written = datetime.datetime.fromtimestamp(info.created).strftime("%Y-%m-%d %H:%M:%S")
-        rows.append((info.tag + (" *" if info.latest else ""), str(info.global_steps), str(info.world_size),
-                     info.backend, _size(info.size_bytes), written))  # fmt: skip
+        tag = _shown(info.tag) + (" *" if info.latest else "")
+        if info.problem:
+            rows.append((tag, "?", "?", "DAMAGED", "?", written))
+            continue
+        rows.append((tag, str(info.global_steps), str(info.world_size), _shown(info.backend),
+                     _size(info.size_bytes), written))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
     print("* latest")
-    return 0
+    damaged = [info for info in found if info.problem]
+    for info in damaged:
+        print(f"{_shown(info.tag)}: DAMAGED: {_shown(info.problem)}")
+    if damaged:
+        print(f"{len(damaged)} of {len(found)} checkpoint(s) cannot be read; a resume or an export without "
+              "--tag falls back to the newest good one", file=sys.stderr)  # fmt: skip
+    return 1 if damaged else 0
 
 
 def _verify(directory: Path, tag: str | None) -> int:
@@ -80,10 +90,10 @@ def _verify(directory: Path, tag: str | None) -> int:
             store.verify(name)
         except CheckpointError as err:
             bad += 1
-            print(f"{name}: BAD: {first_line(err)}")
+            print(f"{_shown(name)}: BAD: {_shown(export._told(err))}")
         else:
             files = len(store.metadata(name)["files"])
-            print(f"{name}: ok ({files} files match the manifest)")
+            print(f"{_shown(name)}: ok ({files} files match the manifest)")
     if bad:
         print(f"{bad} of {len(tags)} checkpoint(s) failed verification; a resume falls back to the newest "
               "good one", file=sys.stderr)  # fmt: skip
@@ -97,10 +107,15 @@ def _export(directory: Path, tag: str | None, out: Path, dtype: str) -> int:
                                      checkpoint=str(Path(directory) / engine["tag"]))  # fmt: skip
     written = export.write_model(export.cast(state, export.DTYPES[dtype]), out, metadata)
     total = sum(t.numel() for t in state.values())
-    print(f"{written}: {len(state)} tensors, {total:,} values, {dtype}, from {engine['tag']} "
+    print(f"{_shown(written)}: {len(state)} tensors, {total:,} values, {dtype}, from {engine['tag']} "
           f"(step {engine.get('global_steps')}, {engine.get('backend')} backend, "
           f"{engine.get('world_size')} process(es))")  # fmt: skip
     return 0
+
+
+def _shown(text: object) -> str:
+    """``text`` printable on any terminal: a file name's bytes that are not UTF-8 as escapes."""
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _size(count: int) -> str:

@@ -23,7 +23,13 @@ def run(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     path = metrics_file(args.run)
     metrics = read_run(path)
-    print(f"{path}:\n{summary(metrics)}")
+    print(_shown(f"{path}:\n{summary(metrics)}"))
     for png in draw(metrics, args.out or path.parent):
-        print(f"wrote {png}")
+        print(_shown(f"wrote {png}"))
     return 0
+
+
+def _shown(text: str) -> str:
+    """``text`` printable on any terminal: a lone surrogate (a file name's bytes that are not UTF-8,
+    a ``\\udcff`` in the file's JSON) as an escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -160,7 +160,7 @@ def _read(source: str | Path | dict[str, Any] | None) -> tuple[dict[str, Any], s
             "--sail-config / --deepspeed_config must name a JSON file",
             "check the path, or pass a dict to spikingsail.initialize(config=...)",
         )
-    text = path.read_text()
+    text = _text(path)
     try:
         raw = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as err:
@@ -169,6 +169,8 @@ def _read(source: str | Path | dict[str, Any] | None) -> tuple[dict[str, Any], s
             err.msg,
             "fix the JSON at that line (trailing commas and comments are not allowed)",
         ) from None
+    except (ValueError, RecursionError) as err:  # an integer of over 4300 digits, too deep a nesting
+        raise ConfigError(f"{path}: not a config", str(err).split("; ")[0], "fix the JSON") from None
     except _DuplicateKeyError as err:
         raise ConfigError(
             f"{path}:{_line_of_second(text, err.key)}: the key '{err.key}' appears twice in one object",
@@ -178,6 +180,21 @@ def _read(source: str | Path | dict[str, Any] | None) -> tuple[dict[str, Any], s
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the config must be a JSON object", f"found {type(raw).__name__}")
     return raw, str(path)
+
+
+def _text(path: Path) -> str:
+    """The file's text: UTF-8 (JSON's encoding), naming the line of the first byte that is not."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"cannot read the config file {path}", err.strerror or str(err),
+                          "check its permissions") from None  # fmt: skip
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ConfigError(f"{path}:{line}: byte {err.start} ({data[err.start]:#04x}) is not UTF-8",
+                          "a JSON config is UTF-8 text", "save the file as UTF-8") from None  # fmt: skip
 
 
 class _DuplicateKeyError(Exception):

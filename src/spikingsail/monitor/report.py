@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spikingsail.errors import SailError
+from spikingsail.errors import SailError, first_line
 
 
 class ReportError(SailError):
@@ -25,6 +26,8 @@ class ReportError(SailError):
 class Run:
     path: Path
     steps: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    """What happened to the run besides its steps (``{"step": N, "event": "checkpoint_failed", ...}``)."""
 
     @property
     def windows(self) -> list[dict[str, Any]]:
@@ -54,30 +57,122 @@ def metrics_file(path: Path) -> Path:
 
 
 def read_run(path: Path) -> Run:
+    """The steps of a metrics file, every line checked here (``_line_problem``), so that the summary
+    and the plots can use what this returns as it is. Lines of the script's own metrics
+    (``engine.log``) and of events (a failed save) are not steps: they are left out."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ReportError(
+            f"cannot read {path}", first_line(err), "check the path and its permissions"
+        ) from None
     run = Run(path)
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
+    shape: tuple[int, tuple[str, ...]] | None = None  # the first straggler window's ranks and phases
+    for number, raw in enumerate(data.split(b"\n"), 1):
+        record = _decode(path, number, raw)
+        if record is not None and "event" in record:
+            run.events.append(record)
+        if record is None or "log" in record or "event" in record:
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ReportError(
-                f"{path}:{number}: not a JSON line ({err.msg})",
-                "each line of a metrics file is one optimizer step's JSON object",
-                "a run killed mid-write leaves a partial last line: remove it",
-            ) from None
-        if not isinstance(record, dict) or "step" not in record:
-            raise ReportError(
-                f"{path}:{number}: a JSON line without a 'step'",
-                "this is not a SpikingSail metrics file (sail.metrics_path)",
-            )
-        if "log" not in record:  # engine.log's lines hold the script's own metrics
-            run.steps.append(record)
+        problem = _step_problem(record)
+        if problem is None and "stragglers" in record:
+            window = record["stragglers"]
+            shape = shape or (len(window["scores"]), tuple(window["ms_per_step"]))
+            if (len(window["scores"]), tuple(window["ms_per_step"])) != shape:
+                problem = (f"its straggler window has {len(window['scores'])} ranks and phases "
+                           f"{list(window['ms_per_step'])}; the first had {shape[0]} and {list(shape[1])}")  # fmt: skip
+        if problem:
+            raise ReportError(f"{path}:{number}: {problem}", _NOT_OURS,
+                              "fix or remove that line (sail report reads what the engine writes)")  # fmt: skip
+        run.steps.append(record)
     if not run.steps:
         raise ReportError(
             f"{path}: no steps", "the metrics file is empty", "train at least one optimizer step"
         )
     return run
+
+
+_NOT_OURS = "this line is not one the engine writes to a metrics file (sail.metrics_path)"
+_LIMIT = 2**63  # steps and sample counts are int64 in the engine
+_NUMBERS = ("loss", "lr", "samples_per_sec", "loss_scale", "time")
+
+
+def _decode(path: Path, number: int, raw: bytes) -> dict[str, Any] | None:
+    """One line as a JSON object (None for a blank line), or ``ReportError`` naming the line."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ReportError(f"{path}:{number}: byte {err.start} of the line is not UTF-8",
+                          "the engine writes its metrics file as UTF-8 JSON lines",
+                          "the file is damaged or not a metrics file: remove the line") from None  # fmt: skip
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ReportError(
+            f"{path}:{number}: not a JSON line ({err.msg})",
+            "each line of a metrics file is one optimizer step's JSON object",
+            "a run killed mid-write leaves a partial last line: remove it",
+        ) from None
+    except (ValueError, RecursionError) as err:  # an integer of too many digits, too deep a nesting
+        raise ReportError(f"{path}:{number}: not a JSON line ({first_line(err)})", _NOT_OURS,
+                          "remove the line") from None  # fmt: skip
+    if not isinstance(record, dict) or "step" not in record:
+        raise ReportError(
+            f"{path}:{number}: a JSON line without a 'step'",
+            "this is not a SpikingSail metrics file (sail.metrics_path)",
+        )
+    if not _is_count(record["step"]):
+        raise ReportError(f"{path}:{number}: 'step' is {_short(record['step'])}, not a step number",
+                          _NOT_OURS, "fix or remove that line")  # fmt: skip
+    return record
+
+
+def _step_problem(record: dict[str, Any]) -> str | None:
+    """What in a step's line the summary and plots cannot use (None: nothing)."""
+    for key in _NUMBERS:
+        if key in record and not (record[key] is None or _is_number(record[key])):
+            return f"{key!r} is {_short(record[key])}, not a number"
+    if "samples" in record and not _is_count(record["samples"]):
+        return f"'samples' is {_short(record['samples'])}, not a count"
+    if "skipped" in record and not isinstance(record["skipped"], bool):
+        return f"'skipped' is {_short(record['skipped'])}, not true or false"
+    if "balance" in record and not (isinstance(record["balance"], dict) and "split" in record["balance"]):
+        return f"'balance' is {_short(record['balance'])}, not an object with a 'split'"
+    if "stragglers" in record:
+        return _window_problem(record["stragglers"])
+    return None
+
+
+def _window_problem(window: Any) -> str | None:
+    scores = window.get("scores") if isinstance(window, dict) else None
+    if not isinstance(scores, list) or not scores or not all(_is_number(s) for s in scores):
+        return f"'stragglers' is {_short(window)}, without a score (a number) for each rank"
+    phases = window.get("ms_per_step")
+    if not isinstance(phases, dict) or not phases:
+        return "'stragglers' has no 'ms_per_step' object of the phases' times"
+    for phase, times in phases.items():
+        if not isinstance(times, list) or len(times) != len(scores) or not all(_is_number(t) for t in times):
+            return f"'stragglers.ms_per_step.{phase}' is {_short(times)}, not one number per rank ({len(scores)})"
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    """A JSON number a plot can take: NaN and infinities are (the engine writes a NaN loss), and
+    integers beyond what a float holds are not."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return not isinstance(value, int) or abs(value) < _LIMIT
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _LIMIT
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def summary(run: Run) -> str:
@@ -86,6 +181,7 @@ def summary(run: Run) -> str:
         s["loss"] for s in steps if isinstance(s.get("loss"), (int, float)) and math.isfinite(s["loss"])
     ]
     tail = steps[-max(1, len(steps) // 10) :]
+    speeds = [s["samples_per_sec"] for s in tail if _is_number(s.get("samples_per_sec"))]
     rows = [
         ("steps", f"{steps[0]['step']} to {steps[-1]['step']} ({len(steps)} recorded)"),
         ("samples", str(steps[-1].get("samples", "n/a"))),
@@ -95,10 +191,14 @@ def summary(run: Run) -> str:
         ),
         (
             "samples/s",
-            f"{statistics.median(s['samples_per_sec'] for s in tail):.1f} (median of the last {len(tail)} steps)",
+            f"{statistics.median(speeds):.1f} (median of the last {len(tail)} steps)" if speeds else "n/a",
         ),
         ("skipped steps", str(sum(1 for s in steps if s.get("skipped")))),
     ]
+    if run.events:
+        kinds = Counter(str(e["event"]) for e in run.events)
+        told = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+        rows.append(("events", f"{told} (the last at step {run.events[-1]['step']})"))
     if run.changes:
         last = run.changes[-1]
         rows.append(
@@ -141,12 +241,19 @@ class _Canvas:
 
 
 def draw(run: Run, out: Path) -> list[Path]:
-    """The PNGs of ``run`` in ``out``; returns their paths."""
+    """The PNGs of ``run`` in ``out`` (a directory, made if missing); returns their paths."""
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"cannot write the plots to {out}: it is a file", "the plots are files in a directory",
+                          "give --out a directory (it is made if missing)")  # fmt: skip
     canvas = _Canvas(out)
-    out.mkdir(parents=True, exist_ok=True)
-    _draw_series(run, canvas)
-    if run.windows:
-        _draw_windows(run, canvas)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        _draw_series(run, canvas)
+        if run.windows:
+            _draw_windows(run, canvas)
+    except OSError as err:
+        raise ReportError(f"cannot write the plots to {out}", first_line(err),
+                          "give --out a directory you can write to, on a disk with room") from None  # fmt: skip
     return canvas.written
 
 
@@ -154,9 +261,8 @@ def _draw_series(run: Run, canvas: _Canvas) -> None:
     x = [s["step"] for s in run.steps]
     for key, name, label in (("loss", "loss", "loss"), ("lr", "lr", "learning rate"),
                              ("samples_per_sec", "throughput", "samples/s")):  # fmt: skip
-        points = [
-            (s, v[key]) for s, v in zip(x, run.steps, strict=True) if isinstance(v.get(key), (int, float))
-        ]
+        points = [(s, v[key]) for s, v in zip(x, run.steps, strict=True)
+                  if _is_number(v.get(key)) and math.isfinite(v[key])]  # fmt: skip
         if not points:
             continue
         fig, (ax,) = canvas.axes()
@@ -178,7 +284,7 @@ def _draw_windows(run: Run, canvas: _Canvas) -> None:
     fig, axes = canvas.axes(len(phases))
     for ax, phase in zip(axes, phases, strict=True):
         for rank in ranks:
-            ax.plot(steps, [w["ms_per_step"][phase][rank] for w in windows], label=f"rank {rank}")
+            ax.plot(steps, [_gap(w["ms_per_step"][phase][rank]) for w in windows], label=f"rank {rank}")
         ax.set_title(phase)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("ms per step")
@@ -188,7 +294,7 @@ def _draw_windows(run: Run, canvas: _Canvas) -> None:
     canvas.save(fig, "breakdown")
     fig, (ax,) = canvas.axes()
     for rank in ranks:
-        ax.plot(steps, [w["scores"][rank] for w in windows], marker="o", label=f"rank {rank}")
+        ax.plot(steps, [_gap(w["scores"][rank]) for w in windows], marker="o", label=f"rank {rank}")
     ax.axhline(1.0, color="grey", alpha=0.4)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("work ÷ the other ranks' median")
@@ -196,3 +302,8 @@ def _draw_windows(run: Run, canvas: _Canvas) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     canvas.save(fig, "stragglers")
+
+
+def _gap(value: float) -> float:
+    """A value to plot: NaN (a gap in the line) for an infinity, which would break the axis limits."""
+    return float(value) if math.isfinite(value) else math.nan

@@ -40,6 +40,7 @@ from spikingsail.launchers.torchrun_args import (
     count,
     flag_names,
     names_hosts,
+    node_range,
 )
 
 __all__ = [
@@ -164,13 +165,7 @@ def parse_request(argv: list[str]) -> LaunchRequest:
         # among its defaults, and the agent would die of it without telling the workers to save.
         flags = [*flags, "--signals-to-handle", FORWARDED_SIGNALS]
     nodes = _apply_nproc(nodes, torchrun) if nodes else None
-    if name == "local" and not nodes and torchrun.nproc_per_node == "gpu" and not torch.cuda.is_available():
-        raise LaunchError(
-            "--nproc-per-node gpu on a machine where torch sees no CUDA GPU",
-            "torchrun starts one process per GPU it sees here, and refuses 'gpu' without one",
-            "give a process count, or cpu (one process per CPU core)",
-        )
-    _check_spread(nnodes, nodes)
+    _check_layout(name, nnodes, nodes, torchrun.nproc_per_node)
     groups = _ft_replicas(ns.ft_replicas, nodes, torchrun.nproc_per_node)
     return LaunchRequest(
         script=ns.training_script,
@@ -235,8 +230,15 @@ def _launcher_args(text: str) -> list[str]:
         ) from None
 
 
-def _check_spread(nnodes: tuple[int, int, int], nodes: list[Node] | None) -> None:
-    """A rendezvous on port 0 (any free port) works for one node only: the others cannot know it."""
+def _check_layout(launcher: str, nnodes: tuple[int, int, int], nodes: list[Node] | None, nproc: str) -> None:
+    """What torchrun would refuse only in its agents, known here: 'gpu' processes on this machine
+    without a GPU; and a rendezvous on port 0 (any free port), which works for one node only."""
+    if launcher == "local" and not nodes and nproc == "gpu" and not torch.cuda.is_available():
+        raise LaunchError(
+            "--nproc-per-node gpu on a machine where torch sees no CUDA GPU",
+            "torchrun starts one process per GPU it sees here, and refuses 'gpu' without one",
+            "give a process count, or cpu (one process per CPU core)",
+        )
     _, most, port = nnodes
     if port == 0 and (most > 1 or (nodes and len(nodes) > 1)):
         raise LaunchError(
@@ -285,7 +287,7 @@ def _world_size(
     # the flags torchrun gets here, read by its own parser: a platform's node count included
     final = get_args_parser().parse_args([*flags, script])
     per_node = count(final.nproc_per_node)
-    if per_node is None or str(final.nnodes) not in ("1", "1:1"):
+    if per_node is None or node_range(str(final.nnodes)) != (1, 1):
         return None
     return per_node * max(groups, 1)
 

@@ -156,7 +156,7 @@ def check_values(ns: argparse.Namespace) -> tuple[int, int, int]:
     torchrun's own parsing (``parse_min_max_nnodes``, ``get_rdzv_endpoint``,
     ``parse_rendezvous_endpoint``), so what passes here is what torchrun accepts (and a master
     port that is not 0). Returns the (min, max) node counts and the rendezvous port."""
-    nodes = _nnodes(str(ns.nnodes))
+    nodes = node_range(str(ns.nnodes))
     if ns.max_restarts < 0:
         raise LaunchError(
             f"--max-restarts {ns.max_restarts}",
@@ -167,7 +167,7 @@ def check_values(ns: argparse.Namespace) -> tuple[int, int, int]:
         check_port("--master-port", ns.master_port, "give a free port, e.g. 29500 (torchrun's default)")
     static = ns.rdzv_backend == "static"
     port = TORCHRUN_MASTER_PORT if ns.master_port is None else ns.master_port
-    endpoint = get_rdzv_endpoint(argparse.Namespace(**{**vars(ns), "master_port": port}))
+    endpoint = get_rdzv_endpoint(argparse.Namespace(**{**vars(ns), "master_port": port}))  # type: ignore[no-untyped-call]
     flag = "--rdzv-endpoint" if ns.rdzv_endpoint else "--master-addr"
     try:
         _, chosen = parse_rendezvous_endpoint(endpoint, -1 if static else C10D_PORT)
@@ -187,7 +187,7 @@ def check_values(ns: argparse.Namespace) -> tuple[int, int, int]:
     return (*nodes, chosen)
 
 
-def _nnodes(text: str) -> tuple[int, int]:
+def node_range(text: str) -> tuple[int, int]:
     """``--nnodes N`` or ``MIN:MAX`` as torchrun reads it, with torchrun's rule 0 < MIN <= MAX."""
     try:
         low, high = parse_min_max_nnodes(text)

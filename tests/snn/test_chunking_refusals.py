@@ -20,7 +20,7 @@ import spikingsail
 from spikingsail.environments import RankInfo
 from spikingsail.errors import ConfigError
 from tests.snn.models import lif
-from tests.snn.test_chunking import ATOL, RTOL, T, Masked, chunked, gradients
+from tests.snn.test_chunking import ATOL, RTOL, Masked, T, chunked, gradients
 
 N, FEATURES = 6, 5
 
@@ -120,7 +120,10 @@ def images(n: int) -> torch.Tensor:
 
 MIXING: dict[str, tuple[Callable[[], nn.Module], str]] = {
     "temporal mean": (lambda: around(TemporalMean()), r"module '2' mixes time steps"),
-    "temporal attention": (lambda: around(TemporalAttention(8)), r"the forward of '2', between its submodules"),
+    "temporal attention": (
+        lambda: around(TemporalAttention(8)),
+        r"the forward of '2', between its submodules",
+    ),
     "temporal conv": (lambda: around(TemporalConv(8)), r"module '2\.conv' mixes time steps"),
 }
 
@@ -135,12 +138,61 @@ def test_a_module_that_mixes_time_steps_is_refused_naming_it(name: str, k: int) 
     try:  # what the chunks would compute: not the model's gradients (the refusal is not a formality)
         wrapped.checkpoint_fn.func._checked = True
         _, chunked_grads = gradients(wrapped, steps())
-        assert any(not torch.allclose(g, c, rtol=RTOL, atol=ATOL) for g, c in zip(grads, chunked_grads, strict=True))
+        assert any(
+            not torch.allclose(g, c, rtol=RTOL, atol=ATOL) for g, c in zip(grads, chunked_grads, strict=True)
+        )
     finally:
         wrapped.checkpoint_fn.func._checked = False
     with pytest.raises(ConfigError, match=message) as error:
         chunked(net, k)(steps())
     assert "snn.time_chunk is" in str(error.value) and "fix:" in str(error.value)
+
+
+def silent(middle: nn.Module) -> nn.Module:
+    """``around(middle)`` whose first neurons never fire on positive input: ``middle`` sees zeros."""
+    net = around(middle)
+    with torch.no_grad():
+        net[0].weight.copy_(-net[0].weight.abs())
+        net[0].bias.fill_(-0.1)
+    return net
+
+
+def test_a_mixing_module_behind_neurons_that_do_not_fire_yet_is_refused() -> None:
+    """A mean over all-zero spikes is the same in chunks, its gradient is not: the check's neurons
+    fire smoothly (the surrogate's primitive), so the mean sees values that differ over time."""
+    net = silent(TemporalMean())
+    with torch.no_grad():
+        assert not net[:2](steps()).any()  # no spike reaches the mean
+    functional.reset_net(net)
+    _, grads = gradients(copy.deepcopy(net), steps())
+    wrapped = chunked(copy.deepcopy(net), 3)
+    wrapped.checkpoint_fn.func._checked = True
+    _, chunked_grads = gradients(wrapped, steps())
+    assert any(
+        not torch.allclose(g, c, rtol=RTOL, atol=ATOL) for g, c in zip(grads, chunked_grads, strict=True)
+    )
+    with pytest.raises(ConfigError, match=r"module '2' mixes time steps"):
+        chunked(net, 3)(steps())
+
+
+class Binary(nn.Module):
+    """Accepts spikes only (0 or 1): the check's smooth neurons make it fail, so it checks spikes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not ((x == 0) | (x == 1)).all():
+            raise ValueError("not spikes")
+        return x
+
+
+def test_a_model_that_needs_binary_spikes_is_checked_with_spikes() -> None:
+    net = around(Binary())
+    out, grads = gradients(copy.deepcopy(net), steps())
+    out_chunked, grads_chunked = gradients(chunked(net, 3), steps())
+    assert torch.equal(out_chunked, out)
+    for g, g_chunked in zip(grads, grads_chunked, strict=True):
+        torch.testing.assert_close(g_chunked, g, rtol=RTOL, atol=ATOL)
+    with pytest.raises(ConfigError, match=r"module '2\.1' mixes time steps"):
+        chunked(around(nn.Sequential(Binary(), TemporalMean())), 3)(steps())
 
 
 @pytest.mark.parametrize("through_time", [False, True])

@@ -10,8 +10,9 @@ training forward runs the model twice without gradients on its own input, whole 
 it is about to use, and compares every module's inputs and outputs along the way.
 
 Both runs start from the same neuron state, buffers and RNG state, with torch's batch norms and
-dropouts in eval mode (the comparison is then deterministic and no running statistic moves) and
-autocast off (float32 rounding, not bf16's, between the two); everything is put back afterwards.
+dropouts in eval mode (the comparison is then deterministic and no running statistic moves),
+autocast and TF32 off (float32 rounding, not bf16's, between the two) and the neurons firing
+smoothly (``_smooth``); everything is put back afterwards.
 Each module call keeps a fingerprint per index of each dimension (three sums, in float64), not its
 output, so the check holds what a no-grad forward holds: one no-grad forward of the micro-batch, as
 an evaluation step does, plus one chunk's.
@@ -105,16 +106,42 @@ def check_chunks(model: nn.Module, x: torch.Tensor, rest: tuple[Any, ...], kwarg
                  chunks: int, slots: Slots, what: str) -> None:  # fmt: skip
     """Raise ``ConfigError`` unless ``chunks`` chunks of ``x`` give what the whole ``x`` gives.
 
-    ``what`` opens every message (the config's source and the ``snn.time_chunk`` setting).
+    ``what`` opens every message (the config's source and the ``snn.time_chunk`` setting). The
+    neurons fire smoothly if the model runs that way (see ``_smooth``), else as they train.
     """
-    from spikingjelly.activation_based import base
+    from spikingjelly.activation_based import base, surrogate
 
     stepping = {id(m) for m in model.modules()
                 if isinstance(m, base.MemoryModule) and getattr(m, "step_mode", None) == "m"}  # fmt: skip
+    spiking: list[Any] = [
+        m for m in model.modules() if isinstance(m, surrogate.SurrogateFunctionBase) and m.spiking
+    ]
     pieces = torch.tensor_split(x, chunks, dim=0)
+    for smooth in [True, False] if spiking else [False]:
+        try:
+            with _smooth(spiking if smooth else []):
+                _compare(model, stepping, slots, (x, rest, kwargs), pieces, what)
+            return
+        except _WholeRunError as failed:  # e.g. a kernel that only fires spikes: check them as they are
+            if not smooth:
+                raise failed.error from None  # as the model's own forward would have failed
+
+
+class _WholeRunError(Exception):
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _compare(model: nn.Module, stepping: set[int], slots: Slots, call: tuple[Any, ...],
+             pieces: tuple[torch.Tensor, ...], what: str) -> None:  # fmt: skip
+    x, rest, kwargs = call
     with _restored(model, slots, x.device) as restart:
         whole: list[dict[str, list[_Call]]] = []
-        _record(model, stepping, whole, lambda: model(x, *rest, **kwargs))
+        try:
+            _record(model, stepping, whole, lambda: model(x, *rest, **kwargs))
+        except Exception as error:
+            raise _WholeRunError(error) from error
         _check_time_axis(whole, [x.shape[0]], x, what)
         whole_buffers = _other_buffers(model)
         restart()
@@ -131,7 +158,26 @@ def check_chunks(model: nn.Module, x: torch.Tensor, rest: tuple[Any, ...], kwarg
             ) from error
         _check_time_axis(parts, [len(p) for p in pieces], x, what)
         _check_buffers(whole_buffers, _other_buffers(model), what)
-        _check_modules(whole, parts, what, chunks)
+        _check_modules(whole, parts, what, len(pieces))
+
+
+@contextlib.contextmanager
+def _smooth(surrogates: list[Any]) -> Iterator[None]:
+    """Neurons that fire smoothly: their surrogate function's primitive instead of a step.
+
+    (spikingjelly's non-spiking mode: the function whose derivative the surrogate gradient is.)
+    The model stays local in time or not, as it is; but a part that mixes time steps shows even where
+    no neuron spikes yet on this micro-batch (a mean over all-zero spikes is the same in chunks, its
+    gradient is not), and the last bit of a convolution's rounding cannot flip a spike and make a
+    local model look different in chunks.
+    """
+    for m in surrogates:
+        m.spiking = False
+    try:
+        yield
+    finally:
+        for m in surrogates:
+            m.spiking = True
 
 
 def _record(model: nn.Module, stepping: set[int], runs: list[dict[str, list[_Call]]], run: Any) -> None:
@@ -144,11 +190,27 @@ def _record(model: nn.Module, stepping: set[int], runs: list[dict[str, list[_Cal
 
     handle = model.register_forward_hook(split)  # after the recorder's own hook on the model
     try:
-        with torch.no_grad(), torch.autocast(_device_type(model), enabled=False):
+        with torch.no_grad(), _float32(_device_type(model)):
             run()
     finally:
         handle.remove()
         recorder.close()
+
+
+@contextlib.contextmanager
+def _float32(device_type: str) -> Iterator[None]:
+    """Autocast and TF32 off, cuDNN's algorithm fixed: both runs round as alike as they can."""
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    cudnn = torch.backends.cudnn
+    try:
+        with (
+            torch.autocast(device_type, enabled=False),
+            cudnn.flags(enabled=cudnn.enabled, benchmark=False, deterministic=True, allow_tf32=False),
+        ):
+            yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
 def _device_type(model: nn.Module) -> str:

@@ -119,12 +119,12 @@ def images(n: int) -> torch.Tensor:
 
 
 MIXING: dict[str, tuple[Callable[[], nn.Module], str]] = {
-    "temporal mean": (lambda: around(TemporalMean()), r"module '2' mixes time steps"),
+    "temporal mean": (lambda: around(TemporalMean()), r"module '2' \(TemporalMean\) mixes time steps"),
     "temporal attention": (
         lambda: around(TemporalAttention(8)),
-        r"the forward of '2', between its submodules",
+        r"the forward of '2' \(TemporalAttention\) mixes time steps between its submodules",
     ),
-    "temporal conv": (lambda: around(TemporalConv(8)), r"module '2\.conv' mixes time steps"),
+    "temporal conv": (lambda: around(TemporalConv(8)), r"module '2\.conv' \(Conv1d\) mixes time steps"),
 }
 
 
@@ -171,7 +171,7 @@ def test_a_mixing_module_behind_neurons_that_do_not_fire_yet_is_refused() -> Non
     assert any(
         not torch.allclose(g, c, rtol=RTOL, atol=ATOL) for g, c in zip(grads, chunked_grads, strict=True)
     )
-    with pytest.raises(ConfigError, match=r"module '2' mixes time steps"):
+    with pytest.raises(ConfigError, match=r"module '2' \(TemporalMean\) mixes time steps"):
         chunked(net, 3)(steps())
 
 
@@ -191,7 +191,7 @@ def test_a_model_that_needs_binary_spikes_is_checked_with_spikes() -> None:
     assert torch.equal(out_chunked, out)
     for g, g_chunked in zip(grads, grads_chunked, strict=True):
         torch.testing.assert_close(g_chunked, g, rtol=RTOL, atol=ATOL)
-    with pytest.raises(ConfigError, match=r"module '2\.1' mixes time steps"):
+    with pytest.raises(ConfigError, match=r"module '2\.1' \(TemporalMean\) mixes time steps"):
         chunked(around(nn.Sequential(Binary(), TemporalMean())), 3)(steps())
 
 
@@ -234,7 +234,7 @@ def test_the_check_leaves_the_model_and_the_rng_as_they_were() -> None:
     torch.manual_seed(5)
     expected = torch.rand(3)
     torch.manual_seed(5)
-    with pytest.raises(ConfigError, match=r"module '3' mixes time steps"):
+    with pytest.raises(ConfigError, match=r"module '3' \(TemporalMean\) mixes time steps"):
         chunked(net, 3)(steps())
     assert torch.equal(torch.rand(3), expected)
     assert [m.training for m in net.modules()] == modes and net[-1][0].training and not net[1].training

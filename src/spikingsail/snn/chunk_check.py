@@ -87,7 +87,7 @@ class _Recorder:
         t = t.reshape(1) if t.dim() == 0 else t
         rows = []
         for d in range(t.dim()):  # in the tensor's own dtype, summed in float64: no float64 copy of it
-            flat = t.movedim(d, 0).reshape(t.shape[d], -1)
+            flat = t.movedim(d, 0).reshape(t.shape[d], t.numel() // t.shape[d] if t.shape[d] else 0)
             sums = flat.sum(1, dtype=torch.float64)
             magnitudes = torch.linalg.vector_norm(flat, 1, dim=1, dtype=torch.float64)
             rows.append(torch.stack([sums, magnitudes, (flat @ self._weight(flat)).double()], 1))
@@ -158,7 +158,7 @@ def _compare(model: nn.Module, stepping: set[int], slots: Slots, call: tuple[Any
             ) from error
         _check_time_axis(parts, [len(p) for p in pieces], x, what)
         _check_buffers(whole_buffers, _other_buffers(model), what)
-        _check_modules(whole, parts, what, len(pieces))
+        _check_modules(model, whole, parts, what)
 
 
 @contextlib.contextmanager
@@ -239,23 +239,34 @@ def _check_time_axis(
                 )
 
 
-def _check_modules(whole: list[dict[str, list[_Call]]], parts: list[dict[str, list[_Call]]],
-                   what: str, chunks: int) -> None:  # fmt: skip
+def _check_modules(model: nn.Module, whole: list[dict[str, list[_Call]]], parts: list[dict[str, list[_Call]]],
+                   what: str) -> None:  # fmt: skip
     """The first module, in the order they return, whose chunked outputs are not its whole ones."""
+    kinds = {name: type(m).__name__ for name, m in model.named_modules()}
     (calls,) = whole
     for name, module_calls in calls.items():
         chunk_calls = [part.get(name, []) for part in parts]
         if _calls_match(module_calls, chunk_calls, outputs=True):
             continue
-        if not _calls_match(module_calls, chunk_calls, outputs=False):
+        chunked = f"in {len(parts)} chunks of the first micro-batch"
+        if _calls_match(module_calls, chunk_calls, outputs=False):
+            module = (
+                f"module '{name}' ({kinds[name]})" if name else f"the model's own forward ({kinds[name]})"
+            )
+            culprit = f"{module} mixes time steps: its output {chunked} differs from its output on the whole sequence"
+        else:  # its input differs although every module that returned before it matched
             parent = name.rpartition(".")[0]
-            where = f"the forward of '{parent}'" if parent else "the model's own forward"
-            culprit = f"{where}, between its submodules (the input of '{name}' already differs)"
-        else:
-            culprit = f"module '{name}'" if name else "the model's own forward"
+            where = (
+                f"the forward of '{parent}' ({kinds[parent]})"
+                if parent
+                else f"the model's own forward ({kinds['']})"
+            )
+            culprit = (
+                f"{where} mixes time steps between its submodules: the input of '{name}' {chunked} differs from "
+                "its input on the whole sequence"
+            )
         raise ConfigError(
-            f"{what}: {culprit} mixes time steps: on the first micro-batch its output in {chunks} chunks "
-            "differs from its output on the whole sequence",
+            f"{what}: {culprit}",
             "time chunks run the model on a few steps at a time and carry only the neurons' state from one "
             "chunk to the next; a part that reads other time steps (a mean, attention or a convolution over "
             "T) sees only its own chunk, and training would silently differ from the model without chunks",

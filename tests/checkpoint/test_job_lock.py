@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from spikingsail.checkpoint import lock
 from spikingsail.checkpoint.lock import LOCK_NAME, STALE_SECONDS, Holder, JobLock
 from spikingsail.errors import CheckpointError
 from tests.cluster.harness import processes_with
@@ -24,6 +25,13 @@ SAIL = [sys.executable, "-m", "spikingsail.cli.main", "launch"]
 
 def holder(**changes: object) -> Holder:
     return replace(Holder.this_process({}), **changes)  # type: ignore[arg-type]
+
+
+def make_stale(directory: Path, *names: str) -> None:
+    """As if the files had not been touched for longer than a lock stays fresh."""
+    old = time.time() - STALE_SECONDS - 1
+    for name in names or (LOCK_NAME,):
+        os.utime(directory / name, (old, old))
 
 
 @pytest.fixture
@@ -68,8 +76,7 @@ def test_another_hosts_job_is_refused_until_its_heartbeat_is_stale(tmp_path: Pat
     JobLock(tmp_path, holder(host="node7", pid=1, run_id="run-a")).acquire()
     with pytest.raises(CheckpointError, match=r"in use by another job: pid 1 on host node7"):
         JobLock(tmp_path, holder(run_id="run-b")).acquire()
-    old = time.time() - STALE_SECONDS - 1
-    os.utime(tmp_path / LOCK_NAME, (old, old))
+    make_stale(tmp_path)
     JobLock(tmp_path, holder(run_id="run-b")).acquire()
     assert json.loads((tmp_path / LOCK_NAME).read_text())["run_id"] == "run-b"
 
@@ -87,13 +94,74 @@ def test_the_same_job_restarting_on_another_host_takes_its_lock(
     assert json.loads((tmp_path / LOCK_NAME).read_text())["host"] == socket.gethostname()
 
 
-def test_a_torn_lock_file_is_taken_over_and_release_leaves_anothers_lock(tmp_path: Path) -> None:
-    (tmp_path / LOCK_NAME).write_text('{"host": "no')
+def test_a_second_engine_of_this_process_takes_the_lock_and_release_leaves_anothers_lock(
+    tmp_path: Path,
+) -> None:
     mine = JobLock(tmp_path, holder())
     mine.acquire()
     JobLock(tmp_path, holder()).acquire()  # this process again (a second engine): takes it over
     mine.release()
     assert (tmp_path / LOCK_NAME).exists()  # not mine any more: left alone
+
+
+def test_an_unreadable_lock_is_refused_until_it_is_stale(tmp_path: Path) -> None:
+    """A file that is not a lock may be a job's that is being written: only its age frees it."""
+    (tmp_path / LOCK_NAME).write_text('{"host": "no')
+    with pytest.raises(
+        CheckpointError, match=r"may be in use: its lock .* cannot be read \(written \d+ s ago\)"
+    ):
+        JobLock(tmp_path, holder()).acquire()
+    make_stale(tmp_path)
+    JobLock(tmp_path, holder(run_id="run-b")).acquire()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["run_id"] == "run-b"
+
+
+def test_a_dead_pid_in_another_pid_namespace_says_nothing(tmp_path: Path) -> None:
+    """A container with the host's network has the host's name, not its pids: only the age counts."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    JobLock(tmp_path, holder(pid=gone.pid, run_id="run-a", pid_namespace="pid:[4026530000]")).acquire()
+    with pytest.raises(CheckpointError, match=rf"in use by another job: pid {gone.pid} on host "):
+        JobLock(tmp_path, holder(run_id="run-b")).acquire()
+    make_stale(tmp_path)
+    JobLock(tmp_path, holder(run_id="run-b")).acquire()
+
+
+def test_a_holder_whose_lock_was_taken_over_refuses_to_save_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(lock, "HEARTBEAT_SECONDS", 0.05)
+    first = JobLock(tmp_path, holder(host="node7", run_id="run-a"))
+    first.acquire()
+    lock.fence(tmp_path / "sub")  # still its own: saving goes on
+    make_stale(tmp_path)  # as if first had been frozen for a minute
+    second = JobLock(tmp_path, holder(run_id="run-b"))
+    second.acquire()
+    with pytest.raises(CheckpointError) as lost:
+        lock.fence(tmp_path / "replica-0")  # a directory under the locked one is the lock's too
+    assert str(lost.value).startswith(
+        f"this job no longer holds checkpoint directory {tmp_path}: the lock now names pid {os.getpid()} "
+    )
+    assert "another --checkpoints-path" in str(lost.value)
+    lock.fence(tmp_path.parent / "elsewhere")  # another directory: not this lock's business
+    deadline = time.monotonic() + 60
+    while "no longer holds" not in caplog.text:  # its refresh found out too, and said so
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    first.release()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["run_id"] == "run-b"  # left alone
+    second.check()
+    second.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_claim_left_by_a_takeover_that_died_midway_goes_stale_too(tmp_path: Path) -> None:
+    JobLock(tmp_path, holder(host="node7", run_id="run-a")).acquire()
+    token = json.loads((tmp_path / LOCK_NAME).read_text())["token"]
+    (tmp_path / f"{LOCK_NAME}.break-{token}").touch()
+    make_stale(tmp_path, f"{LOCK_NAME}.break-{token}", LOCK_NAME)
+    JobLock(tmp_path, holder(run_id="run-b")).acquire()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]
 
 
 def test_an_unwritable_directory_is_a_clear_error(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """The hang watch across two real nodes: a rank on node2 stopped with SIGSTOP under `sail launch -H`.
 The report (made on node1) names node2's rank and its state, the job fails, and nothing is left on
-either node — the stopped rank included."""
+either node — the stopped rank included. The board that node2's watch reached listened on node1's
+interface, not on all of them."""
 
 from __future__ import annotations
 
@@ -36,4 +37,8 @@ def test_a_rank_stopped_on_node2_is_named_and_nothing_is_left(
     last = max(r["progress"]["time"] for r in report["ranks"])
     assert TIMEOUT <= report["time"] - last <= TIMEOUT + 5
     assert "sail: hang: rank 1 on node2 is stopped (SIGSTOP)" in result.stderr + result.stdout
+    # node1's watch served the board on node1's interface only; node2's listened on nothing
+    node1 = json.loads((log_dir / "watch0.json").read_text())["listening"]
+    assert [address.rsplit(":", 1)[0] for address in node1] == [cluster.address["node1"]], node1
+    assert json.loads((log_dir / "watch1.json").read_text())["listening"] == []
     assert_no_job_left(cluster)

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from spikingsail.monitor.hangwatch import Spec, stacks
+from spikingsail.monitor.hangreport import stacks
+from spikingsail.monitor.hangwatch import Spec
 from tests.cluster.harness import processes_with
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
@@ -133,7 +134,7 @@ def test_without_py_spy_faulthandler_gives_a_deadlocked_stack(tmp_path: Path) ->
     process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None and process.stdout.readline() == "ready\n"
-        spec = Spec(records={}, host="h", timeout=1, world_size=1, nodes=1, board=None, authkey="", directory="",
+        spec = Spec(records={}, host="h", timeout=1, world_size=1, nodes=1, board=None, bind="", directory="",
                     report_dir="", py_spy=None, stack_files={"0": str(tmp_path / "stacks")})  # fmt: skip
         threads, why = stacks(process.pid, spec, "0")
         assert why is None

@@ -10,14 +10,16 @@ watches, when the job has stopped making progress.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import faulthandler
+import ipaddress
 import mmap
 import os
-import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -29,15 +31,16 @@ from typing import IO, Any
 import torch.distributed as dist
 
 from spikingsail.errors import SailError
-from spikingsail.monitor.hangwatch import (
+from spikingsail.monitor import board
+from spikingsail.monitor.hangreport import (
     CLOSED,
     INSIDE,
     LEFT,
     READY,
     RECORD,
     WAITING,
-    Spec,
 )
+from spikingsail.monitor.hangwatch import Spec
 
 STACK_SIGNAL = signal.SIGUSR2
 """Without py-spy, the watch asks a rank for its Python stacks with this signal (faulthandler)."""
@@ -114,17 +117,18 @@ def start(
 ) -> tuple[Heartbeat, subprocess.Popen[bytes] | None]:
     """Every rank's record, and each node's watch, started by the node's lowest rank. Collective.
 
-    Rank 0's node's watch serves the board; its address (``board_host``, else this host's name,
-    and the port it chose) and a key are handed to the other nodes with one more collective.
+    Rank 0's node's watch serves the board: on loopback when the job has one node, else on the
+    address the other nodes reach ``board_host`` (the rendezvous' master address; this host's name
+    without one) at. That address and the job's secret are handed to the other nodes with one more
+    collective, over the job's own process group; each watch reads the secret from its standard input.
     """
     host = socket.gethostname()
     spy = py_spy()
-    mine = (host, uuid.uuid4().hex[:12] if rank == 0 else "")
+    mine = (host, uuid.uuid4().hex[:12] if rank == 0 else "", resolve(board_host or host))
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, mine)
-    hosts = [str(h) for h, _ in everyone]
-    directory = Path(tempfile.gettempdir()) / f"sail-heartbeat-{everyone[0][1]}"
-    directory.mkdir(mode=0o700, exist_ok=True)
+    hosts = [str(h) for h, _, _ in everyone]
+    directory = _private_directory(Path(tempfile.gettempdir()) / f"sail-heartbeat-{everyone[0][1]}")
     beat = Heartbeat(directory / f"rank-{rank}", None if spy else directory / f"rank-{rank}.stacks")
     node_ranks = [r for r, h in enumerate(hosts) if h == host]
     spec = Spec(
@@ -134,21 +138,24 @@ def start(
         world_size=world_size,
         nodes=len(set(hosts)),
         board=None,
-        authkey=secrets.token_hex(16),
+        bind="",
         directory=str(directory),
         report_dir=report_dir,
         py_spy=spy,
         stack_files={str(r): str(directory / f"rank-{r}.stacks") for r in node_ranks},
     )
     process: subprocess.Popen[bytes] | None = None
-    board = ["", ""]
+    shared = ["", ""]
     try:
         if rank == 0:
-            process, port = _spawn(spec, serves=True)
-            board = [f"{board_host or host}:{port}", spec.authkey]
-        dist.broadcast_object_list(board, src=0)
+            others = [str(seen) for h, _, seen in everyone if h != host and seen]
+            address = bind_address(board_host or host, others, nodes=spec.nodes)
+            secret = board.new_secret()
+            process, port = _spawn(dataclasses.replace(spec, bind=address), secret, serves=True)
+            shared = [board.join_address(address, port), secret]
+        dist.broadcast_object_list(shared, src=0)
         if rank != 0 and rank == node_ranks[0]:
-            process, _ = _spawn(dataclasses.replace(spec, board=board[0], authkey=board[1]), serves=False)
+            process, _ = _spawn(dataclasses.replace(spec, board=shared[0]), shared[1], serves=False)
     except BaseException:
         stop(process)
         beat.close()
@@ -156,12 +163,77 @@ def start(
     return beat, process
 
 
-def _spawn(spec: Spec, *, serves: bool) -> tuple[subprocess.Popen[bytes], int]:
+def _private_directory(path: Path) -> Path:
+    """``path``, a directory only this user can enter: the records tell the watch which pids to
+    kill. The name is random; nodes sharing /tmp share it, so it may exist already, as ours."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise SailError(
+            f"sail.hang_timeout_seconds: {path} is not a private directory of this user",
+            f"it belongs to uid {info.st_uid} with mode {stat.filemode(info.st_mode)}; the hang watch "
+            "keeps its ranks' records there",
+            f"remove {path}, or set sail.hang_timeout_seconds to 0 to train without the hang watch",
+        )
+    return path
+
+
+def resolve(host: str) -> str | None:
+    """The address this machine reaches ``host`` at (the first the resolver gives), or None."""
+    try:
+        return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+    except (OSError, UnicodeError, IndexError):
+        return None
+
+
+def bind_address(host: str, seen_by_others: list[str], *, nodes: int) -> str:
+    """Where rank 0's node's board listens: loopback for a single node; else the first address of
+    this machine that the other nodes resolve ``host`` to, or that this machine does. Never all
+    interfaces, and never loopback when other nodes must reach it."""
+    if nodes == 1:
+        return "127.0.0.1"
+    mine: list[str] = []
+    with contextlib.suppress(OSError, UnicodeError):
+        mine = [str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
+    tried = list(dict.fromkeys([*seen_by_others, *mine]))
+    for address in tried:
+        if not ipaddress.ip_address(address.partition("%")[0]).is_loopback and _is_mine(address):
+            return address
+    raise SailError(
+        "sail.hang_timeout_seconds: no address of this node for the hang watch's board",
+        f"the other nodes reach {host} at {', '.join(seen_by_others) or 'no address'} and this node resolves "
+        f"it to {', '.join(mine) or 'nothing'}: none is an address of this node's own interfaces (the board "
+        "listens on the job's interface only, never on all of them)",
+        "launch with --rdzv-endpoint (or MASTER_ADDR) naming this node by an address of its interface, "
+        "or set sail.hang_timeout_seconds to 0 to train without the hang watch",
+    )
+
+
+def _is_mine(address: str) -> bool:
+    """Whether this machine can listen on ``address`` (it is one of its interfaces' addresses)."""
+    try:
+        family = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _spawn(spec: Spec, secret: str, *, serves: bool) -> tuple[subprocess.Popen[bytes], int]:
     # A session of its own: a signal to the rank's process group (a terminal's Ctrl-C, a kill of the
     # group) must not end the watch before it has cleaned up; it ends when its rank does (stdin).
+    # The secret is the first line of its standard input: never on a command line, which every
+    # local user can read, nor in an environment its children would inherit.
     process = subprocess.Popen(
         spec.argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE if serves else None, start_new_session=True
     )
+    assert process.stdin is not None
+    try:
+        process.stdin.write(secret.encode() + b"\n")
+        process.stdin.flush()
+    except OSError:
+        pass  # it ended already: said below, or by its rank's next look
     if not serves:
         return process, 0
     assert process.stdout is not None

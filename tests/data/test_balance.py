@@ -9,6 +9,7 @@ from torch.utils.data import TensorDataset
 
 from spikingsail.data.loader import ShardedLoader
 from spikingsail.data.sampler import split_batch
+from spikingsail.errors import ConfigError
 
 DATA = TensorDataset(torch.arange(48))
 
@@ -113,9 +114,11 @@ def test_a_short_last_block_is_split_alike_or_dropped() -> None:
     ]
     assert [[len(b) for (b,) in loader] for loader in dropping] == [[6, 6], [2, 2]]
     assert [len(loader) for loader in dropping] == [2, 2]
-    # 22 samples in blocks of 7: 21, then one sample cannot go to two ranks
+    # 22 samples in blocks of 7: 21, then one sample cannot go to two ranks: refused, unless dropped
+    with pytest.raises(ConfigError, match="has 1 sample"):
+        ShardedLoader(data, batch_size=1, rank=0, world_size=2, seed=1, shares=lambda: [5, 2])
     sevens = [
-        ShardedLoader(data, batch_size=1, rank=r, world_size=2, seed=1, shares=lambda: [5, 2])
+        ShardedLoader(data, batch_size=1, rank=r, world_size=2, seed=1, shares=lambda: [5, 2], drop_last=True)
         for r in range(2)
     ]
     assert [[len(b) for (b,) in loader] for loader in sevens] == [[5, 5, 5], [2, 2, 2]]

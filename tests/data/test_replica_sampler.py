@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from spikingsail.data.sampler import ReplicaBatchSampler, split_batch
-from spikingsail.errors import SailError
+from spikingsail.errors import ConfigError, SailError
 
 
 class Job:
@@ -22,9 +22,11 @@ class Job:
         return self.steps, self.micro
 
 
-def sampler(job: Job, length: int = 20, accumulation: int = 1) -> ReplicaBatchSampler:
-    return ReplicaBatchSampler(length, micro_samples=4, accumulation=accumulation, split=job.split,
-                               progress=job.progress, shuffle=False, seed=0)  # fmt: skip
+def sampler(
+    job: Job, length: int = 20, accumulation: int = 1, drop_last: bool = False
+) -> ReplicaBatchSampler:
+    return ReplicaBatchSampler(length, micro_samples=4, accumulation=accumulation, ranks=job.groups, split=job.split,
+                               progress=job.progress, shuffle=False, seed=0, drop_last=drop_last)  # fmt: skip
 
 
 def test_a_step_not_committed_is_served_again_with_the_same_samples() -> None:
@@ -45,15 +47,35 @@ def test_while_a_group_is_missing_the_others_take_its_share() -> None:
     assert next(batches) == [0, 1, 2, 3]
 
 
-def test_an_epoch_is_whole_steps_padded_with_its_first_samples_and_ends_with_the_committed_steps() -> None:
+def test_an_epoch_ends_with_a_short_step_of_its_last_samples_and_with_the_committed_steps() -> None:
     job = Job(groups=1)
-    s = sampler(job, length=10)  # 10 samples, steps of 4: 3 steps, the last one padded
-    seen = []
+    s = sampler(job, length=10)  # 10 samples, steps of 4: 3 steps, the last one of 2 samples
+    seen, shares = [], []
     for batch in s:
-        seen += batch
+        seen.append(batch)
+        shares.append(s.share)
         job.steps += 1
-    assert seen == [*range(10), 0, 1]
+    assert seen == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert shares == [(4, 4), (4, 4), (2, 2)]
     assert s.epoch() == 1
+    job.steps = 0
+    dropping = sampler(job, length=10, drop_last=True)
+    assert len(dropping) == 2 and dropping.steps_per_epoch == 2
+
+
+def test_the_short_step_is_split_over_its_micro_steps_and_the_groups() -> None:
+    job = Job(groups=2)
+    s = sampler(job, length=22, accumulation=2)  # steps of 8: two, then 6 samples in blocks of 3
+    job.steps = 2
+    batches = iter(s)
+    assert (next(batches), s.share) == ([16, 17], (2, 6))
+    job.micro = 1
+    assert (next(batches), s.share) == ([19, 20], (2, 6))
+    job.index = 1
+    assert (next(batches), s.share) == ([21], (1, 6))
+    assert s.position() == 19
+    with pytest.raises(ConfigError, match="has 1 sample"):
+        sampler(job, length=17, accumulation=2)  # 1 sample for 2 micro-steps of 2 groups
 
 
 def test_accumulation_reads_the_micro_step() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from spikingsail.data.sampler import BalancedBatchSampler, ReplicaBatchSampler, ResumableShardSampler
+from spikingsail.data.sampler import ReplicaBatchSampler, ResumableShardSampler, StepBatchSampler
 from spikingsail.tensors import map_tensors
 
 
@@ -40,6 +40,7 @@ class ShardedLoader:
         on_batch: Callable[[], None] | None = None,
         device: torch.device | None = None,
         shares: Callable[[], Sequence[int]] | None = None,
+        accumulation: int | None = None,
         replicated: ReplicaBatchSampler | None = None,
         **loader_kwargs: Any,
     ) -> None:
@@ -47,19 +48,27 @@ class ShardedLoader:
         ``device``: every tensor of a batch (inputs and labels alike, in any nesting of lists,
         tuples and dicts) is moved there before it is handed out, as Accelerate's and Fabric's
         loaders do; None leaves batches where the dataset made them. ``shares``: unequal per-rank
-        micro-batches (``BalancedBatchSampler``), asked for the current split at every global
-        micro-batch; ``batch_size`` is then unused and ``share`` tells each batch's part of its
-        global micro-batch. ``replicated``: batches of replica groups (``ReplicaBatchSampler``),
+        micro-batches (``StepBatchSampler``), asked for the current split at every global
+        micro-batch; ``batch_size`` is then unused. ``accumulation``: the engine's training loader,
+        whose epoch is read in optimizer steps of ``batch_size × world_size × accumulation``
+        samples (the same per step on any split, also the epoch's short last one). With either,
+        ``share`` tells each batch's part of its optimizer step. ``replicated``: batches of replica groups (``ReplicaBatchSampler``),
         whose epoch and position follow the engine's committed steps."""
         self.on_batch = on_batch
         self.device = device
         length = len(dataset)  # type: ignore[arg-type]
-        self.sampler: ResumableShardSampler | ExactShardSampler | BalancedBatchSampler | ReplicaBatchSampler
+        self.sampler: ResumableShardSampler | ExactShardSampler | StepBatchSampler | ReplicaBatchSampler
+        ragged = pad and accumulation is not None and length % (batch_size * world_size * accumulation)
         if replicated is not None:
             self.sampler = replicated
-        elif shares is not None:
-            self.sampler = BalancedBatchSampler(length, shares, rank=rank, world_size=world_size,
-                                                shuffle=shuffle, seed=seed, drop_last=drop_last)  # fmt: skip
+        elif shares is not None or ragged:
+            # an epoch of whole steps without shares keeps the plain sampler: the same batches, and
+            # no share to weigh the losses by (every loss weighs 1)
+            self.sampler = StepBatchSampler(
+                length, rank=rank, world_size=world_size, shares=shares, accumulation=accumulation or 1,
+                micro_samples=sum(shares()) if shares is not None else batch_size * world_size,
+                shuffle=shuffle, seed=seed, drop_last=drop_last,
+            )  # fmt: skip
         elif pad:
             self.sampler = ResumableShardSampler(
                 length, rank=rank, world_size=world_size, shuffle=shuffle, seed=seed, drop_last=drop_last
@@ -67,7 +76,8 @@ class ShardedLoader:
         else:
             self.sampler = ExactShardSampler(length, rank=rank, world_size=world_size)
         self.share: tuple[int, int] | None = None
-        """With ``shares``: (this rank's samples, the global micro-batch's) of the batch last handed out."""
+        """With a ``StepBatchSampler``: (this rank's samples, its optimizer step's over all ranks) of the
+        batch last handed out; with ``replicated``: (this rank's samples, the global micro-batch's)."""
         self.batch_size = batch_size
         self.world_size = world_size
         self.position = 0
@@ -79,7 +89,7 @@ class ShardedLoader:
         self._generator = loader_kwargs.pop("generator", None) or torch.Generator()
         batching: dict[str, Any] = (
             {"batch_sampler": self.sampler}
-            if isinstance(self.sampler, BalancedBatchSampler | ReplicaBatchSampler)
+            if isinstance(self.sampler, StepBatchSampler | ReplicaBatchSampler)
             else {"batch_size": batch_size, "sampler": self.sampler, "drop_last": drop_last}
         )
         self.loader: DataLoader[Any] = DataLoader(
@@ -116,16 +126,16 @@ class ShardedLoader:
         self.sampler.set_epoch(self.epoch)
         if self._own_generator:
             self._generator.manual_seed(self.seed * 1_000_003 + self.epoch)
-        if isinstance(self.sampler, ResumableShardSampler | BalancedBatchSampler):
+        if isinstance(self.sampler, ResumableShardSampler | StepBatchSampler):
             self.sampler.start = self.position
-        step = self.batch_size * self.world_size
+        taken = self.batch_size * self.world_size  # the global micro-batch's samples
         for batch in self.loader:
             if self._active is not token:
                 return  # a newer pass (or a load) took over from this one
-            if isinstance(self.sampler, BalancedBatchSampler):
-                self.share = self.sampler.handed.popleft()
-                step = self.share[1]
-            self.position += step
+            if isinstance(self.sampler, StepBatchSampler):
+                own, taken, step = self.sampler.handed.popleft()
+                self.share = (own, step)
+            self.position += taken
             if self.on_batch is not None:
                 self.on_batch()
             yield batch if self.device is None else map_tensors(batch, self._to_device)
@@ -143,6 +153,12 @@ class ShardedLoader:
                 self.on_batch()
             yield batch if self.device is None else map_tensors(batch, self._to_device)
         self.epoch = sampler.epoch()
+
+    @property
+    def weighs_losses(self) -> bool:
+        """Whether each batch's loss is to be weighted by its ``share`` (``loss_weight``): with unequal
+        shares, or in an epoch that ends with a short step."""
+        return isinstance(self.sampler, StepBatchSampler)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.device, non_blocking=True)

@@ -2,10 +2,11 @@
 
 Every global micro-batch (``train_batch_size / gradient_accumulation_steps`` samples) is split into
 per-rank shares: fixed weights, or ``auto``, measured. The data loader hands each rank its slice of
-the global order (``BalancedBatchSampler``), so a step sees the samples one process would, and
+the global order (``StepBatchSampler``), so a step sees the samples one process would, and
 each rank's loss is weighted by its share (``loss_weight``), so that the average the backends take
-over ranks is the mean over the whole global micro-batch: the optimizer step one process would
-take, whatever the split.
+over ranks and micro-steps is the mean over the whole optimizer step: the step one process would
+take, whatever the split. The same weighting makes an epoch's short last step exact on any split
+(with or without balance).
 
 ``auto`` measures each rank's compute time per optimizer step: the step's time less the time the
 rank waited for the others at the end of backward (``ComputeTimer``), so that a fast rank's wait
@@ -77,6 +78,14 @@ PROBE_MARGIN = 0.03
 """How much faster (steps per second) a neighbour must run to be kept."""
 PROBE_MOVES = 3
 """Neighbours kept one after another in one probe, at most."""
+
+
+def loss_weight(own: int, step: int, world_size: int, accumulation: int) -> float:
+    """What a rank's mean loss over ``own`` samples is multiplied by so that the backends' average
+    over ``world_size`` ranks and ``accumulation`` micro-steps is the mean over the ``step`` samples of
+    the optimizer step. 1 for equal shares of a whole step; for a rank's share of a global micro-batch
+    of ``block`` samples, ``world_size × own / block`` (the integers' quotient, as exact as that)."""
+    return world_size * accumulation * own / step
 
 
 class ComputeTimer:
@@ -151,10 +160,12 @@ class Balancer:
         world_size: int,
         weights: Sequence[float] | None,
         rebalance_factor: float,
+        accumulation: int = 1,
     ) -> None:
         """``weights`` None: ``auto`` (equal shares until measured)."""
         self.global_micro_batch = global_micro_batch
         self.world_size = world_size
+        self.accumulation = accumulation
         self.auto = weights is None
         self.rebalance_factor = rebalance_factor
         self.split = split_batch(
@@ -187,10 +198,9 @@ class Balancer:
             self._reference is not None and self._probe is None and not self._probe_due and not self._refines
         )
 
-    def loss_weight(self, own: int, block: int) -> float:
-        """What a rank's mean loss over ``own`` samples is multiplied by so that the average over
-        ranks is the mean over the ``block`` samples of the global micro-batch."""
-        return self.world_size * own / block
+    def loss_weight(self, own: int, step: int) -> float:
+        """``loss_weight`` at this job's world size and accumulation."""
+        return loss_weight(own, step, self.world_size, self.accumulation)
 
     def attach(self, model: nn.Module, device: torch.device) -> None:
         if self.auto and self.timer is None:

@@ -32,13 +32,13 @@ from torch.utils.data import Dataset
 from spikingsail.backends.base import Backend
 from spikingsail.checkpoint import dcp_io, engine_state, export, faults
 from spikingsail.checkpoint.engine_state import TrainingState, merged_state_dict
-from spikingsail.checkpoint.lock import JobLock
+from spikingsail.checkpoint.lock import JobLock, fence
 from spikingsail.checkpoint.store import CheckpointStore
 from spikingsail.config.parse import check_balance_weights
 from spikingsail.config.schema import SailConfig
 from spikingsail.data.loader import ShardedLoader
 from spikingsail.data.sampler import ReplicaBatchSampler
-from spikingsail.engine.balance import Balancer
+from spikingsail.engine.balance import Balancer, loss_weight
 from spikingsail.engine.precision import Precision
 from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
 from spikingsail.engine.replicas import (
@@ -78,6 +78,11 @@ class Engine:
     """A background save being written, and whether its failure ends the job."""
     _saved_in_background: bool
     """A background save was made: every step then asks whether one has finished on every rank."""
+    _weighted_loader: ShardedLoader | None
+    """The training loader made last: its batches' shares weigh the losses."""
+    _weighs_losses: bool
+    """Losses are weighted by their share of the step: with ``sail.balance``, or once a training
+    loader's epochs end with a short step (without either, ``backward`` takes no weight at all)."""
 
     def __init__(
         self,
@@ -124,7 +129,7 @@ class Engine:
         except BaseException:
             backend.teardown()  # leave the process group: a failed start must not leave it up
             raise
-        self._balanced_loader: ShardedLoader | None = None
+        self._weighted_loader, self._weighs_losses = None, self.balancer is not None
         self.counters = StepCounters(accumulation=config.gradient_accumulation_steps)
         self._window_losses: list[torch.Tensor] = []
         self.loaders = LoaderPositions()
@@ -177,7 +182,7 @@ class Engine:
 
     def _count_samples(self) -> None:
         """With ``balance: auto``, count this forward's samples when it trains on the balanced loader."""
-        share = self._balanced_loader.share if self._balanced_loader is not None else None
+        share = self._weighted_loader.share if self._weighted_loader is not None else None
         if (
             self.balancer is not None
             and share is not None
@@ -194,8 +199,10 @@ class Engine:
         start = self.stragglers.backward_begins() if self.stragglers is not None else None
         if self.replicas is not None:
             self.backend.backward(loss * self._replica_loss_weight())
-        elif self.balancer is None:
+        elif not self._weighs_losses:
             self.backend.backward(loss)
+        elif self.balancer is None:  # an epoch's short step: each rank's loss weighs its samples
+            self.backend.backward(loss * self._loss_weight())
         else:
             with self.balancer.timing_backward():
                 self.backend.backward(loss * self._loss_weight())
@@ -241,7 +248,7 @@ class Engine:
         self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
 
     def _replica_loss_weight(self) -> float:
-        """n × this rank's samples / the global micro-batch: DDP averages over the group's n ranks and
+        """n × accumulation × this rank's samples / the step's: DDP averages over the group's n ranks and
         the groups' gradients are summed, so the step's gradient is the mean over the global batch."""
         share = self._replica_loader.share if self._replica_loader is not None else None
         if share is None:
@@ -252,7 +259,7 @@ class Engine:
                 "engine's loader knows",
                 "iterate engine.dataloader(dataset) for training",
             )
-        return self.rank_info.world_size * share[0] / share[1]
+        return loss_weight(*share, self.rank_info.world_size, self.counters.accumulation)
 
     def _replica_groups(self) -> ReplicaGroups | None:
         """Under ``sail launch --ft-replicas``: this group's torchft manager (no quorum yet)."""
@@ -341,9 +348,11 @@ class Engine:
         return state
 
     def _loss_weight(self) -> float:
-        """This rank's share of the global micro-batch, relative to an equal share (``sail.balance``)."""
-        assert self.balancer is not None
-        share = self._balanced_loader.share if self._balanced_loader is not None else None
+        """This rank's share of the optimizer step's samples, relative to an equal share of a whole
+        step (``sail.balance``, an epoch's short step)."""
+        share = self._weighted_loader.share if self._weighted_loader is not None else None
+        if self.balancer is None:  # a loss from elsewhere than the loader with the short step weighs 1
+            return 1.0 if share is None else loss_weight(*share, self.world_size, self.counters.accumulation)
         if share is None:
             raise ConfigError(
                 f"{self.config.source}: sail.balance is {self.config.sail.balance!r}, but this loss does not "
@@ -377,6 +386,7 @@ class Engine:
             world_size=config.world_size,
             weights=weights,
             rebalance_factor=config.sail.rebalance_factor,
+            accumulation=config.gradient_accumulation_steps,
         )
         balancer.attach(self.module, self.device)
         if self.rank_info.is_rank_zero:
@@ -644,7 +654,11 @@ class Engine:
         # with sail.balance, a training loader hands each rank its share of every global micro-batch
         shares = self.balancer.shares if self.balancer is not None and pad and batch_size is None else None
         training = pad and batch_size is None
-        replicated = self._replica_sampler(dataset, shuffle, seed, loader_kwargs) if training else None
+        replicated = (
+            self._replica_sampler(dataset, shuffle, seed, drop_last, loader_kwargs) if training else None
+        )
+        # a training loader reads its epochs in optimizer steps, the last one short on any split alike
+        accumulation = self.config.gradient_accumulation_steps if training and replicated is None else None
         loader = ShardedLoader(
             dataset,
             batch_size=batch_size or self.config.train_micro_batch_size_per_gpu,
@@ -659,18 +673,25 @@ class Engine:
             on_batch=self.snn.on_batch if self.snn.manages_state or self.config.snn.check_state else None,
             device=self.device if self._move_inputs else None,
             shares=shares,
+            accumulation=accumulation,
             replicated=replicated,
             **loader_kwargs,
         )
-        if shares is not None:
-            self._balanced_loader = loader
+        if accumulation is not None or shares is not None:  # the training loader: the last one made
+            self._weighted_loader = loader
+            self._weighs_losses = self._weighs_losses or loader.weighs_losses
         if replicated is not None:
             self._replica_loader = loader
         self.loaders.add(loader, dataset, arguments)
         return loader
 
     def _replica_sampler(
-        self, dataset: Dataset[Any], shuffle: bool, seed: int | None, loader_kwargs: dict[str, Any]
+        self,
+        dataset: Dataset[Any],
+        shuffle: bool,
+        seed: int | None,
+        drop_last: bool,
+        loader_kwargs: dict[str, Any],
     ) -> ReplicaBatchSampler | None:
         if self.replicas is None:
             return None
@@ -687,10 +708,12 @@ class Engine:
             len(dataset),  # type: ignore[arg-type]
             micro_samples=self.config.train_micro_batch_size_per_gpu * self.config.world_size,
             accumulation=accumulation,
+            ranks=self.config.world_size,
             split=self.replicas.split,
             progress=lambda: (self.counters.global_steps, self.counters.micro_steps % accumulation),
             shuffle=shuffle,
             seed=seed if seed is not None else (self.config.sail.seed or 0),
+            drop_last=drop_last,
         )
 
     def save_checkpoint(
@@ -726,6 +749,7 @@ class Engine:
         if self.replicas is not None:
             self._refuse_inside_window("save")
             save_dir = own_group_checkpoints(save_dir, self.replicas.env.group)
+        self._agree(lambda: fence(save_dir))  # a job whose directory lock was taken over saves nothing
         background = self.config.checkpoint.async_save if async_save is None else async_save
         root = str(Path(save_dir))
         self.heartbeat.enter(CHECKPOINT)

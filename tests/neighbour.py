@@ -33,7 +33,9 @@ def as_neighbour(argv: list[str], *, timeout: float = 60, cwd: str = "/") -> sub
     """``argv`` run as the neighbour (its own uid and gid, no supplementary groups)."""
     user = neighbour()
     command = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", "--", *argv]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env={"PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env={"PATH": "/usr/bin:/bin"}
+    )
 
 
 def python_as_neighbour(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -32,9 +32,14 @@ def wait_for(condition: Callable[[], bool], seconds: float, what: Callable[[], s
 
 
 def start(
-    cluster: NamespaceCluster, tmp_path: Path, flags: list[str], job_args: list[str], env: dict[str, str]
+    cluster: NamespaceCluster,
+    tmp_path: Path,
+    flags: list[str],
+    job_args: list[str],
+    env: dict[str, str],
+    sail: list[str] = SAIL,
 ) -> subprocess.Popen[str]:
-    argv = [*SAIL, "-H", str(hostfile(tmp_path)), "--ssh-config", str(cluster.ssh_config), *flags,
+    argv = [*sail, "-H", str(hostfile(tmp_path)), "--ssh-config", str(cluster.ssh_config), *flags,
             str(JOB), str(tmp_path / "out"), *job_args]  # fmt: skip
     log = (tmp_path / "launch.log").open("w")
     return subprocess.Popen(
@@ -183,6 +188,29 @@ def test_every_signal_to_the_launcher_reaches_both_nodes_and_leaves_nothing(
 
 
 @pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
+def test_pkill_by_sails_command_line_leaves_nothing_on_either_node(
+    cluster: NamespaceCluster, tmp_path: Path, launcher: str
+) -> None:
+    """``pkill -f 'sail launch'`` (narrowed to this job: other jobs may run here) signals every
+    process whose command line says so at once: sail alone (no process on either node carries its
+    command line), which passes the signal on to both nodes and leaves nothing."""
+    sail = [sys.executable, str(Path(sys.executable).with_name("sail")), "launch"]
+    process = start(cluster, tmp_path, ["--launcher", launcher], [], cluster.slurm_env(), sail=sail)
+    out = str(tmp_path / "out")
+    try:
+        wait_for(lambda: started(tmp_path), 90, lambda: (tmp_path / "launch.log").read_text()[-3000:])
+        named = [line for line in processes_with(out).values() if "sail launch" in line]
+        assert len(named) == 1, processes_with(out)
+        subprocess.run(["pkill", "-f", f"sail launch .*{out}"], check=True)
+        wait_for(lambda: not processes_with(out), 10, lambda: f"left after pkill: {processes_with(out)}")
+        assert process.wait(timeout=10) == 128 + signal.SIGTERM
+    finally:
+        stop(tmp_path)
+        process.kill()
+    assert_no_job_left(cluster)
+
+
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
 def test_a_signal_travels_over_the_nodes_tethers_when_no_new_connection_can_be_made(
     cluster: NamespaceCluster, tmp_path: Path, launcher: str
 ) -> None:
@@ -309,7 +337,7 @@ def test_platform_mode_every_signal_to_each_nodes_launcher_leaves_nothing(
         logs = lambda: "".join((tmp_path / f"launch{r}.log").read_text()[-2000:] for r in (0, 1))  # noqa: E731
         wait_for(lambda: started(tmp_path), 90, logs)
         found = [p for p, line in processes_with(out).items() if line.startswith(" ".join(SAIL))]
-        # each sail's torchrun agent is a fork of it, with its command line: the sails are the parents
+        # each sail's torchrun agent is a fork of it, under a name of its own: the sails are the parents
         sails = [p for p in found if parent(p) not in found]
         assert len(sails) == 2, processes_with(out)
         for pid in sails:

@@ -212,6 +212,35 @@ def test_every_forwarded_signal_reaches_the_workers_and_leaves_nothing(
 
 
 @pytest.mark.multiprocess
+def test_pkill_by_sails_command_line_leaves_nothing_and_names_the_agent(tmp_path: Path) -> None:
+    """``pkill -f 'sail launch'``, the usual way to stop a job by name, signals every process whose
+    command line says so at the same moment: sail only, since its forked torchrun agent names itself,
+    and the agent ends with sail and stops the workers (the pattern is narrowed to this job's output
+    directory: other jobs may run on this machine)."""
+    out = tmp_path / "out"
+    sail = Path(sys.executable).with_name("sail")
+    with (tmp_path / "stderr").open("w") as stderr:
+        launcher = subprocess.Popen(
+            [sys.executable, str(sail), "launch", "-n", "2", str(SIGNAL_JOB), str(out)],
+            cwd=tmp_path, stdout=stderr, stderr=stderr,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: all((out / f"started{r}").exists() for r in (0, 1)), 90, "the workers did not start")
+        named = {pid: line for pid, line in processes_with(str(out)).items() if "sail launch" in line}
+        assert list(named) == [launcher.pid], named  # the agent's command line is its own
+        agents = [
+            line for line in processes_with(str(out)).values() if line.startswith("torchrun (the local agent")
+        ]
+        assert len(agents) == 1 and str(SIGNAL_JOB) in agents[0], processes_with(str(out))
+        subprocess.run(["pkill", "-f", f"sail launch .*{out}"], check=True)
+        wait_for(lambda: not processes_with(str(out)), 10, f"left after pkill: {processes_with(str(out))}")
+        assert launcher.wait(timeout=5) == 128 + signal.SIGTERM
+    finally:
+        (out / "stop").touch()
+        launcher.kill()
+
+
+@pytest.mark.multiprocess
 def test_a_sail_error_of_one_rank_is_the_failure_reason(tmp_path: Path) -> None:
     script = tmp_path / "fail.py"
     script.write_text(

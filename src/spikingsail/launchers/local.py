@@ -175,6 +175,7 @@ class _ForkedAgent:
             os.close(reader)
             if arm is not None:
                 arm()
+            _name_agent(flags)
             os.environ.clear()
             os.environ.update(env)
             sys.argv = ["torchrun", *flags]
@@ -220,6 +221,15 @@ class _ForkedAgent:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def _name_agent(flags: list[str]) -> None:
+    """The forked agent's command line says what it is, in ``ps`` and to ``pkill -f``: a copy of
+    ``sail launch ...`` would be killed with sail by ``pkill -f 'sail launch'`` (at the same moment,
+    before it could stop its workers). It ends with sail on its own (``PR_SET_PDEATHSIG``)."""
+    from setproctitle import setproctitle
+
+    setproctitle(f"torchrun (the local agent of sail, pid {os.getppid()}) {' '.join(flags)}")
 
 
 def _stderr_channel() -> tuple[int, int]:

@@ -122,7 +122,7 @@ MIXING: dict[str, tuple[Callable[[], nn.Module], str]] = {
     "temporal mean": (lambda: around(TemporalMean()), r"module '2' \(TemporalMean\) mixes time steps"),
     "temporal attention": (
         lambda: around(TemporalAttention(8)),
-        r"the forward of '2' \(TemporalAttention\) mixes time steps between its submodules",
+        r"the forward of '2' \(TemporalAttention\) mixes time steps between the modules it calls",
     ),
     "temporal conv": (lambda: around(TemporalConv(8)), r"module '2\.conv' \(Conv1d\) mixes time steps"),
 }

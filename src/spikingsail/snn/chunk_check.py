@@ -34,6 +34,8 @@ from torch.utils._pytree import tree_leaves
 from spikingsail.errors import ConfigError
 
 Slots = list[tuple[Any, str]]  # (MemoryModule, memory name), as TimeChunking lists them
+Site = tuple[str, str]  # (the module's name, the name of the module whose forward called it)
+Calls = dict[Site, list["_Call"]]  # in the order the sites first return
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,20 +60,29 @@ class _Recorder:
     def __init__(self, model: nn.Module, stepping: set[int]) -> None:
         self.names = {id(m): name for name, m in model.named_modules()}
         self.stepping = stepping
-        self.calls: dict[str, list[_Call]] = {}  # in the order the modules first return
+        self.calls: Calls = {}  # in the order the modules first return
+        self._running: list[str] = []  # the modules whose forward is running, outermost first
         self._weights: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
-        self._handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in model.modules()]
+        self._handles = [m.register_forward_pre_hook(self._enter) for m in model.modules()]
+        self._handles += [m.register_forward_hook(self._hook, with_kwargs=True) for m in model.modules()]
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
 
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self._running.append(self.names[id(module)])
+
     def _hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        # Calls are told apart by where they come from: one module may serve many (spikingjelly's
+        # default surrogate function is one object in every neuron), each in its own order.
+        name = self._running.pop()
+        site = (name, self._running[-1] if self._running else "")
         first = args[0] if args else None
         stepping = id(module) in self.stepping and isinstance(first, torch.Tensor) and first.dim() > 0
         steps = int(first.shape[0]) if stepping and first is not None else None
         call = _Call(self._seen((args, kwargs)), self._seen(output), steps)
-        self.calls.setdefault(self.names[id(module)], []).append(call)
+        self.calls.setdefault(site, []).append(call)
 
     def _seen(self, tree: Any) -> list[_Seen]:
         return [
@@ -137,7 +148,7 @@ def _compare(model: nn.Module, stepping: set[int], slots: Slots, call: tuple[Any
              pieces: tuple[torch.Tensor, ...], what: str) -> None:  # fmt: skip
     x, rest, kwargs = call
     with _restored(model, slots, x.device) as restart:
-        whole: list[dict[str, list[_Call]]] = []
+        whole: list[Calls] = []
         try:
             _record(model, stepping, whole, lambda: model(x, *rest, **kwargs))
         except Exception as error:
@@ -145,7 +156,7 @@ def _compare(model: nn.Module, stepping: set[int], slots: Slots, call: tuple[Any
         _check_time_axis(whole, [x.shape[0]], x, what)
         whole_buffers = _other_buffers(model)
         restart()
-        parts: list[dict[str, list[_Call]]] = []
+        parts: list[Calls] = []
         try:
             _record(model, stepping, parts, lambda: [model(piece, *rest, **kwargs) for piece in pieces])
         except Exception as error:  # the model cannot run on a chunk: say why instead of its traceback
@@ -180,7 +191,7 @@ def _smooth(surrogates: list[Any]) -> Iterator[None]:
             m.spiking = True
 
 
-def _record(model: nn.Module, stepping: set[int], runs: list[dict[str, list[_Call]]], run: Any) -> None:
+def _record(model: nn.Module, stepping: set[int], runs: list[Calls], run: Any) -> None:
     """Appends to ``runs`` the calls of each module in every run of the model that ``run`` makes."""
     recorder = _Recorder(model, stepping)
 
@@ -218,12 +229,10 @@ def _device_type(model: nn.Module) -> str:
     return parameter.device.type if parameter is not None else "cpu"
 
 
-def _check_time_axis(
-    runs: list[dict[str, list[_Call]]], lengths: list[int], x: torch.Tensor, what: str
-) -> None:
+def _check_time_axis(runs: list[Calls], lengths: list[int], x: torch.Tensor, what: str) -> None:
     """Every multi-step memory module (neurons, BNTT) steps through the time steps the call was given."""
     for calls, length in zip(runs, lengths, strict=True):
-        for name, module_calls in calls.items():
+        for (name, _), module_calls in calls.items():
             steps = next((c.steps for c in module_calls if c.steps is not None and c.steps != length), None)
             if steps is not None:
                 raise ConfigError(
@@ -239,15 +248,16 @@ def _check_time_axis(
                 )
 
 
-def _check_modules(model: nn.Module, whole: list[dict[str, list[_Call]]], parts: list[dict[str, list[_Call]]],
+def _check_modules(model: nn.Module, whole: list[Calls], parts: list[Calls],
                    what: str) -> None:  # fmt: skip
     """The first module, in the order they return, whose chunked outputs are not its whole ones."""
     kinds = {name: type(m).__name__ for name, m in model.named_modules()}
     (calls,) = whole
-    for name, module_calls in calls.items():
-        chunk_calls = [part.get(name, []) for part in parts]
+    for site, module_calls in calls.items():
+        chunk_calls = [part.get(site, []) for part in parts]
         if _calls_match(module_calls, chunk_calls, outputs=True):
             continue
+        name, caller = site
         chunked = f"in {len(parts)} chunks of the first micro-batch"
         if _calls_match(module_calls, chunk_calls, outputs=False):
             module = (
@@ -255,15 +265,14 @@ def _check_modules(model: nn.Module, whole: list[dict[str, list[_Call]]], parts:
             )
             culprit = f"{module} mixes time steps: its output {chunked} differs from its output on the whole sequence"
         else:  # its input differs although every module that returned before it matched
-            parent = name.rpartition(".")[0]
             where = (
-                f"the forward of '{parent}' ({kinds[parent]})"
-                if parent
+                f"the forward of '{caller}' ({kinds[caller]})"
+                if caller
                 else f"the model's own forward ({kinds['']})"
             )
             culprit = (
-                f"{where} mixes time steps between its submodules: the input of '{name}' {chunked} differs from "
-                "its input on the whole sequence"
+                f"{where} mixes time steps between the modules it calls: the input of '{name}' {chunked} "
+                "differs from its input on the whole sequence"
             )
         raise ConfigError(
             f"{what}: {culprit}",

@@ -2,39 +2,28 @@
 
 Two jobs that save into one directory overwrite each other's checkpoints, and a resume then loads a
 mix of both runs. Rank 0 of a job whose config names a checkpoint directory holds
-``DIR/.sail-job.lock`` for the job's life. The file names the job (host, boot id, pid namespace,
-pid, torchrun run id, SLURM job id, start time) and a token of its own; its modification time is
+``DIR/.sail-job.lock`` for the job's life: it names the job (host, boot id, pid namespace, pid,
+torchrun run id, SLURM job id, start time) and holds a token of its own; its modification time is
 refreshed every ``HEARTBEAT_SECONDS``. A second job is refused naming the first.
 
-Every step that changes the lock is atomic on a local file system and on NFS, Lustre, GPFS and
-CephFS, using only ``link(2)``, ``rename(2)`` and exclusive create:
+Each change is atomic with only ``link(2)``, ``rename(2)`` and exclusive create (local file systems,
+NFS v3+, Lustre, GPFS, CephFS). Taking a free lock: the holder's file, written in full under a name
+of its own, is hard linked to the lock's name, which fails if a lock is there; whichever token the
+lock then holds has it (on NFS a retried link may report failure after succeeding). Taking over a
+stale lock: under an exclusive claim named after that lock's token, one process at a time checks
+that the lock still holds that token, renames it aside, checks it moved that one (a live lock moved
+by a claimant that stalled past its claim's staleness is linked back), then links its own.
+Refreshing touches the holder's own file through a descriptor it keeps open: never another's lock.
 
-- taking a free lock: the holder's file is written in full under a name of its own, then hard
-  linked to the lock's name, which fails if a lock is there. Whoever's token the lock then holds has
-  it (on NFS a retried link can report failure after succeeding, so the file decides, not the call).
-- taking over a stale lock: first an exclusive claim on that very lock (a file named after its
-  token), so that one process at a time may break it; the claimant checks that the lock still holds
-  that token, renames it aside and checks it moved that one (a live lock moved by a claimant that
-  stalled past its claim's staleness is linked back), then links its own as above.
-- refreshing: the holder updates the times of its own file through a descriptor it keeps open, so
-  a refresh can never touch a lock another job has taken over.
-- releasing: under the same claim, and only if the lock still holds the holder's token.
-
-A lock is the job's own, or stale, and then taken over, when
-
-- it names this job: the same torchrun run id (an elastic restart) or the same SLURM job id (a
-  requeued job);
-- its process is gone, where this process can tell: the same host, boot and pid namespace, and no
-  process with its pid (a job killed with SIGKILL), or this very process (a second engine of one
-  script). A container with the host's network has the host's name but pids of its own: its pid
-  says nothing here, and its lock is judged by age;
-- it was not refreshed for ``STALE_SECONDS`` (a lost node, a frozen process). Ages are measured
-  against a file this process has just touched in the same directory, so that both times come from
-  the file system's clock (the server's, on NFS) and node clocks need not agree.
+A lock is the job's own, or stale, and then taken over, when it names this job (the same torchrun
+run id: an elastic restart; the same SLURM job id: a requeued job); when its process is gone where
+this process can tell (the same host, boot and pid namespace, and no such pid, or this very
+process: a second engine of one script; containers with the host's network share its name, not its
+pids); or when it was not refreshed for ``STALE_SECONDS`` (a lost node, a frozen process), measured
+against a file this process has just touched there: both times from the file system's clock.
 
 The holder checks that the lock still holds its token at every refresh and before every save
-(``fence``): a job whose lock was taken over (it was frozen, or starved, for longer than
-``STALE_SECONDS``) logs it at once and refuses every later save into the directory.
+(``fence``): a job whose lock was taken over logs it at once and refuses every later save there.
 """
 
 from __future__ import annotations
@@ -49,7 +38,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -87,8 +76,8 @@ class Holder:
             slurm_job_id=slurm.job_id(env),
             started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             token=uuid.uuid4().hex,
-            boot_id=_boot_id(),
-            pid_namespace=_pid_namespace(),
+            boot_id=_from_proc(lambda: Path("/proc/sys/kernel/random/boot_id").read_text()),
+            pid_namespace=_from_proc(lambda: os.readlink("/proc/self/ns/pid")),
         )
 
     def same_job(self, other: Holder) -> bool:
@@ -100,12 +89,10 @@ class Holder:
     def sees_pids_of(self, other: Holder) -> bool:
         """Whether ``other.pid`` names a process this one can look up: one host, one boot of it, one
         pid namespace (a host name alone is shared by containers with the host's network)."""
-        place = (self.host, self.boot_id, self.pid_namespace)
-        return bool(self.boot_id and self.pid_namespace) and place == (
-            other.host,
-            other.boot_id,
-            other.pid_namespace,
-        )
+        return bool(self.boot_id and self.pid_namespace) and self._place() == other._place()
+
+    def _place(self) -> tuple[str, str, str]:
+        return self.host, self.boot_id, self.pid_namespace
 
     def describe(self) -> str:
         job = f", torchrun run {self.run_id}" if self.run_id else ""
@@ -245,12 +232,7 @@ class JobLock:
 
     def _claim(self, claim: Path, seen: _Seen) -> bool:
         """Wait for the claim on lock ``seen``; False once another claimant has broken it."""
-        while True:
-            try:
-                os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-                return True
-            except FileExistsError:
-                pass
+        while not _create(claim):
             other = _look(claim)
             if other is not None and self._age(other) > self.stale_seconds:
                 claim.unlink(missing_ok=True)  # its claimant died between two steps of a takeover
@@ -259,6 +241,7 @@ class JobLock:
             if now is None or now.identity != seen.identity:
                 return False
             time.sleep(0.01)
+        return True
 
     def _age(self, seen: _Seen) -> float:
         """Seconds since ``seen`` was refreshed, by the file system's clock: the time it gives this
@@ -304,8 +287,9 @@ class JobLock:
         seen = _look(self.path)
         if seen is not None and seen.identity == self.holder.token:
             return
-        now = "the lock was removed" if seen is None else "the lock now names "
-        now += "" if seen is None else (seen.holder.describe() if seen.holder else "an unreadable file")
+        now = "the lock was removed"
+        if seen is not None:
+            now = f"the lock now names {seen.holder.describe() if seen.holder else 'an unreadable file'}"
         self._lost = CheckpointError(
             f"this job no longer holds checkpoint directory {self.path.parent}: {now} ({self.path}); "
             "it saves nothing more there",
@@ -319,9 +303,7 @@ class JobLock:
 
     def _remove_own(self) -> None:
         claim = self.path.with_name(f"{LOCK_NAME}.break-{self.holder.token}")
-        try:
-            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-        except FileExistsError:
+        if not _create(claim):
             return  # another job is taking it over: it is theirs now
         try:
             seen = _look(self.path)
@@ -389,18 +371,21 @@ def _within(directory: Path, root: Path) -> bool:
     return directory.resolve().is_relative_to(root.resolve())
 
 
-def _boot_id() -> str:
+def _from_proc(read: Callable[[], str]) -> str:
+    """What ``read`` finds in /proc; "" where there is none (not Linux)."""
     try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return read().strip()
     except OSError:
         return ""
 
 
-def _pid_namespace() -> str:
+def _create(path: Path) -> bool:
+    """Whether this call made the (empty) file ``path``: False if it was there."""
     try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _alive(pid: int) -> bool:

@@ -4,6 +4,7 @@ by every rank after the workers started; and nothing the engine accepts is refus
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
@@ -14,7 +15,7 @@ from spikingsail.backends import backend_class, load_config
 from spikingsail.cli.main import main
 from spikingsail.engine import initialize as engine
 from spikingsail.errors import SailError
-from spikingsail.launchers.preflight import check_config, config_paths
+from spikingsail.launchers.preflight import CONFIG_FLAGS, check_config, config_paths
 from tests.docs.snippets import blocks, pages
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,6 +97,14 @@ def test_a_config_without_a_batch_size_is_left_to_the_script(job: Path) -> None:
 
 
 def test_the_flags_are_read_with_the_engines_spellings() -> None:
+    parser = engine.add_config_arguments(argparse.ArgumentParser())
+    spelled = {
+        s: a.dest
+        for a in parser._actions
+        if a.dest in ("sail_config", "deepspeed_config")
+        for s in a.option_strings
+    }
+    assert spelled == CONFIG_FLAGS
     assert config_paths(["--sail-config", "a.json", "--epochs", "2"]) == ["a.json"]
     assert config_paths(["--sail_config=a.json", "--deepspeed-config", "b.json"]) == ["a.json", "b.json"]
     assert config_paths(["--deepspeed_config", "a.json", "--deepspeed_config", "b.json"]) == ["b.json"]

@@ -98,6 +98,7 @@ def test_horovod_style_host_list_and_np(job: Path) -> None:
 
 
 def test_pdsh_groups_nodes_and_returns_remote_failures(job: Path) -> None:
+    (job / "cfg").touch()  # ssh reads it on this machine: sail launch refuses one it cannot read
     (command,) = plan(
         parse_request(["-H", "hostfile", "--launcher", "pdsh", "--ssh-config", "cfg", "train.py"])
     )

@@ -3,7 +3,6 @@ read the job's config as its engine will (one error here, not one from every ran
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -150,26 +149,28 @@ def _probe(host: str, ssh: SSHOptions, port: int | None = None) -> _Probe:
 
 # --- the job's config ----------------------------------------------------------------------------
 
-_CONFIG_DESTS = ("sail_config", "deepspeed_config")
+CONFIG_FLAGS = {
+    "--sail-config": "sail_config",
+    "--sail_config": "sail_config",
+    "--deepspeed_config": "deepspeed_config",
+    "--deepspeed-config": "deepspeed_config",
+}
+"""The engine's config flags (``add_config_arguments``), spelled here so that a launch without one
+does not import the engine; tests/launchers/test_config_precheck.py holds them equal."""
 
 
 def config_paths(script_args: list[str]) -> list[str]:
-    """The config files a training script's arguments name, with the flags spelled as the engine's
-    parser spells them (``add_config_arguments``: ``--sail-config PATH``, ``--deepspeed_config=PATH``,
-    ...); the last of a repeated flag, as argparse keeps it. Abbreviations are not read: a script's
-    parser may not take them."""
-    from spikingsail.engine.initialize import add_config_arguments
-
-    engine = add_config_arguments(argparse.ArgumentParser(add_help=False))
-    flags = {s: a.dest for a in engine._actions if a.dest in _CONFIG_DESTS for s in a.option_strings}
+    """The config files a training script's arguments name (``--sail-config PATH``,
+    ``--deepspeed_config=PATH``, ...); the last of a repeated flag, as argparse keeps it.
+    Abbreviations are not read: a script's parser may not take them."""
     found: dict[str, str] = {}
     words = iter(script_args)
     for word in words:
         if word == "--":  # argparse reads no option after it
             break
         name, equals, value = word.partition("=")
-        if name in flags:
-            found[flags[name]] = value if equals else next(words, "")
+        if name in CONFIG_FLAGS:
+            found[CONFIG_FLAGS[name]] = value if equals else next(words, "")
     return list(dict.fromkeys(path for path in found.values() if path))
 
 

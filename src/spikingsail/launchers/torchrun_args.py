@@ -11,6 +11,7 @@ import argparse
 import re
 from dataclasses import dataclass
 
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT_PORT as C10D_PORT
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.run import get_rdzv_endpoint, parse_min_max_nnodes
 
@@ -27,8 +28,6 @@ RENDEZVOUS_FLAGS = frozenset(f for f in PER_NODE_FLAGS if f != "--nproc-per-node
 _NPROC_FLAGS = frozenset({"-n", "--nproc-per-node"})
 TORCHRUN_MASTER_PORT = 29500
 """torchrun's ``--master-port`` when none is given (``torch.distributed.run.run``)."""
-C10D_PORT = 29400
-"""The port of a c10d rendezvous endpoint that names none (torch's ``c10d_rendezvous_backend``)."""
 
 
 def flag_name(arg: str) -> str:

@@ -1,0 +1,316 @@
+"""Property-based fuzzing of the command lines of `sail launch`, `sail submit`, `sail doctor` and
+`sail bench comm`, and of hostfiles (hypothesis; seeded and bounded).
+
+Every generated input either is refused with one clear message (exit status 2, no traceback) before
+anything starts, or is accepted; and what is accepted is accepted by the later stages too: torchrun
+(its own parser and checks, ``tests/launchers/peers.py``) for every command that would start it, ssh
+(``ssh -G``) for every ssh command, the engine's config loader at the world size torchrun would give,
+the benchmark job's own parser, and DeepSpeed's hostfile parser for files in its format. The commands
+are read through their dry runs (``--dry-run``); the doctor, which has none, through the reading of
+its flags that precedes every check."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shlex
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+from deepspeed.launcher.runner import fetch_hostfile
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from spikingsail.backends import load_config
+from spikingsail.cli import doctor
+from spikingsail.cli import launch as cli_launch
+from spikingsail.cli.main import main
+from spikingsail.diagnostics import comm_bench
+from spikingsail.errors import LaunchError, SailError
+from spikingsail.launchers import plan
+from spikingsail.launchers.command import LaunchCommand
+from spikingsail.launchers.hostfile import parse_hostfile
+from spikingsail.launchers.request import LaunchRequest, parse_request
+from tests.launchers.peers import ssh_refusal, torchrun_args, torchrun_config
+
+
+def fuzz(examples: int) -> settings:
+    """Seeded (the same inputs on every run), bounded, and with no time limit per input (a loaded CI
+    machine); the workdir fixture is shared by the inputs of one test, which only read it."""
+    return settings(
+        derandomize=True,
+        database=None,
+        deadline=None,
+        max_examples=examples,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+
+
+# --- values -------------------------------------------------------------------------------------
+
+EDGES = ["-1", "0", "1", "2", "3", "65535", "65536", "99999", "-5", "inf", "-inf", "nan", "1e300", "0.5",
+         "1.5", "x", "", " ", "٣", "+2", "0x10", "2_0", "9" * 25, "1:2", "2:1"]  # fmt: skip
+NUMBERS = st.one_of(st.sampled_from(EDGES), st.integers(-(2**17), 2**17).map(str))
+# a command line's words: anything but NUL, which no argv can hold
+TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12)
+HOSTS = st.sampled_from(["h1", "node2", "127.0.0.1", "[::1]", "a b", "-oProxyCommand=x", "", "h1:"])
+ENDPOINTS = st.one_of(st.builds(lambda h, p: f"{h}:{p}", HOSTS, NUMBERS), HOSTS)
+HOST_LISTS = st.lists(st.builds(lambda h, n: f"{h}:{n}", HOSTS, NUMBERS), min_size=1, max_size=3).map(
+    ",".join
+)
+FILTERS = st.builds(lambda h, s: f"{h}:{s}", HOSTS, NUMBERS)
+
+LAUNCH = {
+    "-n": st.one_of(NUMBERS, st.sampled_from(["auto", "cpu", "gpu"])),
+    "--master-port": NUMBERS,
+    "--master-addr": st.one_of(HOSTS, TEXT),
+    "--rdzv-endpoint": ENDPOINTS,
+    "--rdzv-backend": st.sampled_from(["static", "c10d"]),
+    "--nnodes": st.one_of(NUMBERS, st.builds(lambda a, b: f"{a}:{b}", NUMBERS, NUMBERS)),
+    "--max-restarts": NUMBERS,
+    "--ssh-port": NUMBERS,
+    "--connect-timeout": NUMBERS,
+    "--heartbeat-timeout": NUMBERS,
+    "--ft-replicas": NUMBERS,
+    "--ft-heartbeat-timeout": NUMBERS,
+    "--launcher-args": st.one_of(TEXT, st.sampled_from(["'a", '"-x FOO', "--mca btl tcp,self"])),
+    "--launcher": st.sampled_from(["local", "ssh", "pdsh", "mpirun", "slurm"]),
+    "-H": HOST_LISTS,
+    "-np": NUMBERS,
+    "--num_nodes": NUMBERS,
+    "--num_gpus": NUMBERS,
+    "--include": FILTERS,
+    "--exclude": FILTERS,
+    "--env": st.one_of(TEXT, st.sampled_from(["A=1", "=x", "A", "PATH"])),
+    "--ssh-config": st.sampled_from(["ssh_config", "missing"]),
+}
+SUBMIT = {
+    "-N": NUMBERS,
+    "--gpus-per-node": NUMBERS,
+    "--nproc-per-node": NUMBERS,
+    "-c": NUMBERS,
+    "--signal-before": NUMBERS,
+    "--max-restarts": NUMBERS,
+    "--master-port": NUMBERS,
+    "-t": st.sampled_from(["4:00:00", "1-0", "x\ny"]),
+    "--dist-init-method": st.sampled_from(["torchrun", "slurm", "x"]),
+}
+BENCH = {
+    "-b": st.one_of(NUMBERS, st.sampled_from(["1K", "64M", "1G", "3Q"])),
+    "-e": st.one_of(NUMBERS, st.sampled_from(["1K", "64M"])),
+    "-f": NUMBERS,
+    "--iters": NUMBERS,
+    "--warmup": NUMBERS,
+    "--ops": st.sampled_from(["all_reduce", "x", "", "broadcast,all_gather"]),
+    "--dtype": st.sampled_from(["float32", "bfloat16", "int7"]),
+}
+DOCTOR = {"--timeout": NUMBERS, "--color": st.sampled_from(["auto", "never", "x"])}
+CONFIGS = {
+    "good.json": {"train_micro_batch_size_per_gpu": 2},
+    "total.json": {"train_batch_size": 12},
+    "bad.json": {"train_batch_size": 0},
+}
+
+
+def flags(table: dict[str, st.SearchStrategy[str]], most: int = 4) -> st.SearchStrategy[list[str]]:
+    """Up to ``most`` of the table's flags, each with a generated value, as ``--flag VALUE`` or
+    ``--flag=VALUE`` (the only way argparse takes a value that starts with '-')."""
+
+    def pair(flag: str) -> st.SearchStrategy[list[str]]:
+        joined = st.booleans() if flag.startswith("--") else st.just(False)
+        return st.tuples(table[flag], joined).map(lambda v: [f"{flag}={v[0]}"] if v[1] else [flag, v[0]])
+
+    chosen = st.lists(st.sampled_from(sorted(table)).flatmap(pair), max_size=most)
+    return chosen.map(lambda pairs: [word for p in pairs for word in p])
+
+
+SCRIPT_ARGS = st.one_of(
+    st.just([]),
+    st.sampled_from(sorted(CONFIGS)).map(lambda c: ["--sail-config", c]),
+    st.just(["--sail-config", "missing.json"]),
+)
+
+
+# --- running sail ---------------------------------------------------------------------------------
+
+
+def sail(argv: list[str]) -> tuple[int, str, str]:
+    """``sail ARGV`` in this process: (exit status, stdout, stderr). An exception other than argparse's
+    usage exit is a traceback for the user: it propagates and fails the test with the input."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            status = main(argv)
+        except SystemExit as exit_:
+            status = exit_.code if isinstance(exit_.code, int) else 1
+    return status, out.getvalue(), err.getvalue()
+
+
+def refused_clearly(command: str, status: int, err: str) -> None:
+    """A refusal: status 2, a message on stderr of `sail COMMAND` or argparse, and no traceback."""
+    assert status == 2, (status, err)
+    assert "Traceback" not in err, err
+    assert re.search(rf"^sail {command}[ :]|^usage: ", err, re.MULTILINE), err
+
+
+@pytest.fixture
+def workdir(job: Path) -> Path:
+    (job / "ssh_config").touch()
+    for name, config in CONFIGS.items():
+        (job / name).write_text(json.dumps(config))
+    return job
+
+
+def later_stages_accept(request: LaunchRequest, commands: list[LaunchCommand]) -> None:
+    """Every command torchrun or ssh would run is accepted by them, and the config the script is given
+    loads at the world size torchrun would make."""
+    for command in commands:
+        args = torchrun_args(command)
+        if args is not None:
+            config = torchrun_config(args)
+            assert not isinstance(config, str), (command.render(), config)
+            fixed = config.min_nodes == config.max_nodes
+            world = config.nproc_per_node * config.max_nodes * max(request.ft_replicas, 1)
+            config_given = [request.script_args[1]] if request.script_args[:1] == ["--sail-config"] else []
+            for path in config_given if fixed and not request.nodes else []:
+                load_config(path, world)  # a refusal here propagates: sail accepted what the engine refuses
+        refusal = ssh_refusal(command)
+        assert refusal is None, refusal
+
+
+def planned(request: LaunchRequest) -> list[LaunchCommand]:
+    if request.ft_replicas:
+        return cli_launch._plan_replica_groups(request)[1]
+    return plan(request)
+
+
+# --- the properties -------------------------------------------------------------------------------
+
+
+@fuzz(90)
+@given(argv=flags(LAUNCH), script_args=SCRIPT_ARGS)
+@example(argv=["--launcher-args", "'a"], script_args=[])  # the review's findings, always tried
+@example(argv=["--ft-replicas", "2", "--ft-heartbeat-timeout", "inf"], script_args=[])
+@example(argv=["--master-port", "99999", "--ssh-port", "-5", "--connect-timeout", "-3"], script_args=[])
+@example(argv=["--rdzv-endpoint", "h1:notaport", "--nnodes", "2:1"], script_args=[])
+@example(argv=["--ft-replicas", "99999"], script_args=[])
+@example(argv=["-n", "2"], script_args=["--sail-config", "total.json"])
+def test_launch(workdir: Path, argv: list[str], script_args: list[str]) -> None:
+    status, _, err = sail(["launch", "--dry-run", *argv, "train.py", *script_args])
+    if status != 0:
+        refused_clearly("launch", status, err)
+        return
+    request = parse_request([*argv, "train.py", *script_args])
+    later_stages_accept(request, planned(request))
+
+
+@fuzz(60)
+@given(argv=flags(SUBMIT, most=5), requeue=st.booleans(), script_args=SCRIPT_ARGS)
+@example(argv=["--nproc-per-node", "-1", "--signal-before", "-5"], requeue=True, script_args=[])
+def test_submit(workdir: Path, argv: list[str], requeue: bool, script_args: list[str]) -> None:
+    status, script, err = sail(
+        ["submit", "--dry-run", *(["--requeue"] if requeue else []), *argv, "train.py", *script_args]
+    )
+    if status != 0:
+        refused_clearly("submit", status, err)
+        return
+    for key, value in re.findall(r"^#SBATCH --([a-z-]+)=(.*)$", script, re.MULTILINE):
+        if key in ("nodes", "ntasks-per-node", "gpus-per-task", "cpus-per-task"):
+            assert re.fullmatch(r"[1-9][0-9]*", value), (key, value)  # sbatch's counts
+        if key == "signal":  # sbatch: --signal=[B:]SIG[@TIME], TIME from 0 to 65535
+            assert 0 <= int(value.rpartition("@")[2]) <= 65535, value
+    step = next(line for line in script.splitlines() if line.startswith("srun "))
+    shell = {"$SLURM_NNODES": "2", "$MASTER_ADDR": "h1", "$MASTER_PORT": "29500", "$SLURM_JOB_ID": "7"}
+    words = shlex.split(re.sub(r"\$[A-Z_]+", lambda m: shell.get(m[0], m[0]), step.removesuffix(" &")))
+    if "torch.distributed.run" in words:
+        config = torchrun_config(words[words.index("torch.distributed.run") + 1 :])
+        assert not isinstance(config, str), (step, config)
+
+
+@fuzz(40)
+@given(argv=flags(DOCTOR, most=2), launch_flags=flags(LAUNCH, most=3))
+@example(argv=["--timeout", "inf"], launch_flags=[])
+@example(argv=[], launch_flags=["--launcher-args", "'a"])
+def test_doctor(workdir: Path, argv: list[str], launch_flags: list[str]) -> None:
+    """The doctor's reading of its options and of the `sail launch` flags, before any check runs."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            _, rest = doctor.parse([*argv, *launch_flags])
+            request = doctor.job(rest)
+        except SystemExit as exit_:
+            refused_clearly("doctor", int(exit_.code or 0), err.getvalue())
+            return
+        except SailError:
+            return  # main prints it as one message, exit status 2
+    later_stages_accept(request, planned(request))
+
+
+@fuzz(40)
+@given(argv=flags(BENCH), launch_flags=flags(LAUNCH, most=2))
+@example(argv=[], launch_flags=["--launcher-args", "'a"])
+def test_bench_comm(workdir: Path, argv: list[str], launch_flags: list[str]) -> None:
+    status, out, err = sail(["bench", "comm", "--dry-run", *argv, *launch_flags])
+    if status != 0:
+        refused_clearly("bench", status, err)
+        return
+    (job_args,) = {
+        line.split(comm_bench.__name__, 1)[1] for line in out.splitlines() if comm_bench.__name__ in line
+    }
+    parser = comm_bench.argparse.ArgumentParser()
+    comm_bench.add_arguments(parser)
+    comm_bench.sweep_config(parser.parse_args(shlex.split(job_args)))  # the job's own reading of them
+
+
+# --- hostfiles ----------------------------------------------------------------------------------
+
+SLOTS = st.one_of(
+    st.integers(0, 5000).map(str), st.sampled_from(["", "-1", "٣", "1.5", "4abc", "x", "99999999"])
+)
+LINES = st.one_of(
+    st.builds(
+        lambda h, s, sep: f"{h}{sep}slots={s}",
+        st.one_of(HOSTS, TEXT),
+        SLOTS,
+        st.sampled_from([" ", "\t", "  "]),
+    ),
+    st.builds(lambda h, s: f"{h} {s}", HOSTS, SLOTS),  # seed 000's "HOST N"
+    st.sampled_from(["", "# a comment", "   ", "node1 slots=2 # two GPUs", "slots=2"]),
+    HOSTS,
+    TEXT,
+)
+DEEPSPEED_LINE = re.compile(r"(\S+)\s+slots=(\d+)")
+
+
+@fuzz(200)
+@given(lines=st.lists(LINES, max_size=5))
+def test_hostfiles_against_deepspeeds_parser(
+    tmp_path_factory: pytest.TempPathFactory, lines: list[str]
+) -> None:
+    """Where DeepSpeed's parser and ours both accept a file, they read the same hosts and slots (but for
+    a '#' inside a line: a comment from there on, as in Open MPI's hostfiles, where DeepSpeed takes it
+    for part of a host name); where DeepSpeed reads a file we refuse, the refusal is one of our
+    stricter rules (a host name ssh would take for an option, a slot count outside 1..4096 or not
+    ASCII digits, text after the count); a file we accept and DeepSpeed refuses uses one of our other
+    forms ('HOST N', a bare host)."""
+    path = tmp_path_factory.mktemp("hostfile") / "hostfile"
+    path.write_text("\n".join(lines) + "\n")
+    try:
+        ours: dict[str, int] | str = {n.host: n.nproc for n in parse_hostfile(path, default_slots=2)}
+    except LaunchError as err:
+        ours = str(err)
+    try:
+        theirs: dict[str, int] | str = dict(fetch_hostfile(str(path)))
+    except ValueError as err:
+        theirs = str(err)
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        inline_comment = any("#" in line.strip()[1:] for line in lines)
+        assert ours == theirs or inline_comment, (lines, ours, theirs)
+    elif isinstance(ours, dict):
+        content = [line.split("#", 1)[0].strip() for line in lines]
+        assert any(line and not DEEPSPEED_LINE.match(line) for line in content), (lines, theirs)
+    elif isinstance(theirs, dict):
+        stricter = ("is not a host name", "slot count", "cannot read", "listed again", "not UTF-8")
+        assert any(reason in ours for reason in stricter), (lines, ours)

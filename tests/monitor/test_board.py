@@ -228,5 +228,8 @@ def test_the_board_binds_loopback_for_one_node_and_the_jobs_interface_for_more()
     assert bind_address(mine, [], nodes=2) == mine
     elsewhere = "198.51.100.254"  # a documentation address, on no machine
     assert elsewhere not in local_addresses()
+    # the other nodes reach rank 0's host through a forwarder (a cluster's service address): this
+    # machine's interface towards the other nodes' own addresses
+    assert bind_address("localhost", [elsewhere], [mine], nodes=2) == mine
     with pytest.raises(SailError, match="no address of this node for the hang watch's board"):
         bind_address("localhost", [elsewhere], nodes=2)

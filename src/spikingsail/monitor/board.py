@@ -196,6 +196,7 @@ class Server:
                     self._forget(conn)
                 result = self.board.apply(op, key, value)
                 reply = _encode({"seq": seq, "value": result})
+                conn.settimeout(RESPONSE_SECONDS)
                 send_frame(conn, _mac(self._secret, _RESPONSE, mac, reply), reply)
         except DroppedFrameError as why:
             self._drops.note(peer, str(why))
@@ -216,7 +217,7 @@ class Server:
                 "a message without a valid MAC (not from this job, or replayed from another connection)"
             )
         try:
-            request = json.loads(body)
+            request = json.loads(body, parse_constant=_no_constant)
         except ValueError as err:
             raise DroppedFrameError(f"an authentic message that is not JSON: {err}") from err
         if not isinstance(request, dict) or request.get("seq") != seq:
@@ -225,6 +226,10 @@ class Server:
         if op not in OPS or not isinstance(key, str):
             raise DroppedFrameError(f"an authentic message with an unknown request: op {op!r}")
         return op, key, request.get("value")
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")  # NaN and Infinity: a later answer could not carry them
 
 
 class _DropLog:

@@ -40,6 +40,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+log = logging.getLogger(__name__)
+
 
 def _sibling(name: str) -> ModuleType:
     """A module next to this file, loaded by path: run as a script (``python -I hangwatch.py``), the
@@ -148,6 +150,8 @@ class Watch:
                     self._answer()
                     return
             self.board.set(f"node/{self.spec.node}", self.records())
+        except board.BoardError as err:
+            log.warning("left the board: %s", err)  # not the job's board: nothing it said is acted on
         except (OSError, EOFError):
             pass  # the board is gone: rank 0's node is done
         finally:

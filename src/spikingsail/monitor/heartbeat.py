@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -124,10 +125,11 @@ def start(
     """
     host = socket.gethostname()
     spy = py_spy()
-    mine = (host, uuid.uuid4().hex[:12] if rank == 0 else "", resolve(board_host or host))
+    seen = resolve(board_host or host)
+    mine = (host, uuid.uuid4().hex[:12] if rank == 0 else "", seen, seen and source_toward(seen))
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, mine)
-    hosts = [str(h) for h, _, _ in everyone]
+    hosts = [str(h) for h, *_ in everyone]
     directory = _private_directory(Path(tempfile.gettempdir()) / f"sail-heartbeat-{everyone[0][1]}")
     beat = Heartbeat(directory / f"rank-{rank}", None if spy else directory / f"rank-{rank}.stacks")
     node_ranks = [r for r, h in enumerate(hosts) if h == host]
@@ -148,8 +150,13 @@ def start(
     shared = ["", ""]
     try:
         if rank == 0:
-            others = [str(seen) for h, _, seen in everyone if h != host and seen]
-            address = bind_address(board_host or host, others, nodes=spec.nodes)
+            others = [(seen, own) for h, _, seen, own in everyone if h != host]
+            address = bind_address(
+                board_host or host,
+                [str(seen) for seen, _ in others if seen],
+                [str(own) for _, own in others if own],
+                nodes=spec.nodes,
+            )
             secret = board.new_secret()
             process, port = _spawn(dataclasses.replace(spec, bind=address), secret, serves=True)
             shared = [board.join_address(address, port), secret]
@@ -186,16 +193,31 @@ def resolve(host: str) -> str | None:
         return None
 
 
-def bind_address(host: str, seen_by_others: list[str], *, nodes: int) -> str:
+def source_toward(address: str) -> str | None:
+    """The address of this machine's interface that its packets to ``address`` leave from (a UDP
+    socket's connect sends nothing), or None without a route."""
+    try:
+        family = socket.getaddrinfo(address, 0, type=socket.SOCK_DGRAM)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
+
+
+def bind_address(host: str, seen_by_others: Sequence[str], others: Sequence[str] = (), *, nodes: int) -> str:
     """Where rank 0's node's board listens: loopback for a single node; else the first address of
-    this machine that the other nodes resolve ``host`` to, or that this machine does. Never all
-    interfaces, and never loopback when other nodes must reach it."""
+    this machine that the other nodes resolve ``host`` to, or that this machine does, or (``host``
+    naming a forwarder, such as a cluster's service address) this machine's interface towards the
+    other nodes' own addresses (``others``). Never all interfaces, and never loopback when other
+    nodes must reach it."""
     if nodes == 1:
         return "127.0.0.1"
     mine: list[str] = []
     with contextlib.suppress(OSError, UnicodeError):
         mine = [str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
-    tried = list(dict.fromkeys([*seen_by_others, *mine]))
+    towards = [a for a in map(source_toward, others) if a]
+    tried = list(dict.fromkeys([*seen_by_others, *mine, *towards]))
     for address in tried:
         if not ipaddress.ip_address(address.partition("%")[0]).is_loopback and _is_mine(address):
             return address

@@ -80,7 +80,7 @@ def _ls(directory: Path) -> int:
 
 def _verify(directory: Path, tag: str | None) -> int:
     store = CheckpointStore(directory)
-    tags = [tag] if tag else store.tags()
+    tags = [tag] if tag is not None else store.tags()
     if not tags:
         raise CheckpointError(f"{directory} holds no complete checkpoint",
                               fix="give the --checkpoints-path of a run")  # fmt: skip

@@ -194,19 +194,20 @@ def test_a_ragged_epoch_trains_as_one_process_on_any_split(
 
 
 @pytest.mark.parametrize(
-    ("before", "after", "stop_step"),
-    [(2, 1, 5), (1, 2, 5), (2, 1, 12), (1, 2, 12), (2, 1, 13)],
+    ("before", "after", "stop_step", "length"),
+    [(2, 1, 5, RAGGED), (1, 2, 5, 201), (2, 1, 12, RAGGED), (1, 2, 12, 201), (2, 1, 13, RAGGED), (1, 2, 13, RAGGED)],
     ids=["2to1-mid-epoch", "1to2-mid-epoch", "2to1-before-the-short-step", "1to2-before-the-short-step",
-         "2to1-after-the-short-step"],
+         "2to1-after-the-short-step", "1to2-after-the-short-step"],
 )  # fmt: skip
 def test_a_ragged_epoch_resumes_exactly_on_another_world_size(
-    tmp_path: Path, before: int, after: int, stop_step: int
+    tmp_path: Path, before: int, after: int, stop_step: int, length: int
 ) -> None:
-    # micro 8 at train_batch_size 16: 2 processes × accumulation 1 ⇄ 1 process × accumulation 2
-    reference = one_process(tmp_path, RAGGED, False)
+    # micro 8 at train_batch_size 16: 2 processes × accumulation 1 ⇄ 1 process × accumulation 2; with
+    # 201 samples the short step of 9 is 5 + 4 on 2 processes (DistributedSampler would pad it)
+    reference = one_process(tmp_path, length, False)
     stop = stop_step * (2 // before)  # in the first run's micro-steps
-    first = run_ranks(ragged, before, str(tmp_path / "run"), RAGGED, 8, stop, False, False)[0]
-    second = run_ranks(ragged, after, str(tmp_path / "run"), RAGGED, 8, None, True, False)[0]
+    first = run_ranks(ragged, before, str(tmp_path / "run"), length, 8, stop, False, False)[0]
+    second = run_ranks(ragged, after, str(tmp_path / "run"), length, 8, None, True, False)[0]
     assert first["steps"] + second["steps"] == reference["steps"]
     assert_trains_like(second, reference)
 

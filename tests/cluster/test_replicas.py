@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.harness import NamespaceCluster
+from tests.fault.test_replica_exposure import listening, loopback
 from tests.fault.test_replicas import (
     EPOCHS,
     STEPS_PER_EPOCH,
@@ -115,3 +116,35 @@ def test_a_5_second_network_cut_leaves_node2s_group_out_and_it_heals(
     assert_trained_as_one_process(out, tmp_path)
     assert_both_groups_finished(out)
     assert_no_job_left(cluster)
+
+
+def test_torchft_services_listen_on_the_nodes_own_addresses_never_every_interface(
+    cluster: NamespaceCluster, tmp_path: Path
+) -> None:
+    """Across nodes: the lighthouse on node1's address towards the nodes, each group's manager and
+    process group on its node's address towards the lighthouse; none on every interface. torchrun's
+    agents are left out (their c10d store is torch's and listens on every interface)."""
+    job, out = start(cluster, tmp_path)
+    try:
+        _wait_for_worker(out, 1)
+        _wait_for_worker(out, 0)
+        found = {}
+        for node in ("node1", "node2"):
+            for pid in cluster.pids(node):
+                try:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    sockets = listening(pid)
+                except OSError:
+                    continue
+                if (
+                    argv[1].endswith(b"torchft_lighthouse.py") or str(WORKER).encode() in argv[1:3]
+                ):  # python [-u] replica_worker.py
+                    found[(node, pid)] = sockets
+    finally:
+        job.send_signal(signal.SIGINT)
+        job.communicate(timeout=120)
+    assert {node for node, _ in found} == {"node1", "node2"}
+    for (node, pid), sockets in found.items():
+        assert sockets, f"{node} {pid} listens on nothing"
+        wrong = [s for s in sockets if not loopback(s[0]) and str(s[0]) != cluster.address[node]]
+        assert wrong == [], f"{node} {pid} listens on {wrong}"

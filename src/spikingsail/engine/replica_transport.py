@@ -61,6 +61,7 @@ class SignedStateTransport(CheckpointTransport[Any]):  # type: ignore[misc]  # t
 
     def __init__(self, pg: ProcessGroup, secret: bytes, device: torch.device) -> None:
         self._pg, self._secret, self._device = pg, secret, device  # NCCL sends only the GPU's tensors
+        self.send_error: Exception | None = None
 
     def _recv(self, size: int, dtype: torch.dtype, src: int, tag: int, timeout: timedelta) -> torch.Tensor:
         tensor = torch.empty(size, dtype=dtype, device=self._device)
@@ -77,6 +78,16 @@ class SignedStateTransport(CheckpointTransport[Any]):  # type: ignore[misc]  # t
         pass
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+        """Send ``state_dict`` to each healing rank in turn; a failure is kept in ``send_error``: it
+        fails this step, but the state sent from is this rank's own, unchanged."""
+        self.send_error = None
+        try:
+            self._send_state(dst_ranks, step, state_dict, timeout)
+        except Exception as err:
+            self.send_error = err
+            raise
+
+    def _send_state(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
         buffer = io.BytesIO()
         torch.save(state_dict, buffer)
         body = buffer.getvalue()

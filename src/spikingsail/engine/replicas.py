@@ -212,7 +212,7 @@ class ReplicaGroups:
         from torchft import Manager
         from torchft.process_group import ProcessGroupBabyNCCL
 
-        from spikingsail.engine.replica_transport import BoundGloo, manager_bound_to
+        from spikingsail.engine.replica_transport import BoundGloo, SignedStateTransport, manager_bound_to
 
         self.env = env
         self.group_size = rank_info.world_size
@@ -224,8 +224,9 @@ class ReplicaGroups:
         _forget_previous_manager(rank_info)
         _end_with_the_agent(env.group)
         get_state, load_state = state
+        self._transport = SignedStateTransport(pg, env.secret, device)  # not torchft's HTTP server
         with manager_bound_to(address):
-            self.manager = _manager(Manager, config, env, rank_info, pg, address, device)
+            self.manager = _manager(Manager, config, env, rank_info, pg, address, self._transport)
         self.manager.register_state_dict_fn("sail", load_state, get_state)
         self.device, self._tensors = device, tensors
         self._in_step = False
@@ -249,7 +250,13 @@ class ReplicaGroups:
             ):
                 log.warning("replica group %d was left behind (at step %d) and healed from a live group: "
                             "now at step %d", self.env.group, before, healed)  # fmt: skip
-            if error is not None and self.group_size > 1:
+            if error is not None and error.original_exception is self._transport.send_error:
+                # only sending this rank's state failed (the healing group went away): the step
+                # fails, and this group's state is its own
+                log.warning("replica group %d, rank %d: sending its state to a healing group failed "
+                            "(%r): the step is taken again", self.env.group, self.group_rank,
+                            error.original_exception)  # fmt: skip
+            elif error is not None and self.group_size > 1:
                 # torchft heals each rank from its counterpart in a live group; when that fails on one
                 # rank and not on another, the group's ranks hold different states and torchft does
                 # not heal them again (the group's step is already the others'): restart the group.
@@ -343,15 +350,13 @@ class ReplicaGroups:
 
 def _manager(
     manager: Any, config: FaultToleranceConfig, env: ReplicaEnv, rank_info: RankInfo, pg: Any,
-    address: str, device: torch.device,
+    address: str, transport: Any,
 ) -> Any:  # fmt: skip
-    """torchft's ``Manager`` for this rank, advertising ``address``, healing over ``pg``."""
-    from spikingsail.engine.replica_transport import SignedStateTransport
-
+    """torchft's ``Manager`` for this rank, advertising ``address``, healing through ``transport``."""
     timeout = timedelta(seconds=config.timeout_seconds)
     return manager(
         pg=pg,
-        checkpoint_transport=SignedStateTransport(pg, env.secret, device),  # not torchft's HTTP server
+        checkpoint_transport=transport,
         load_state_dict=None,
         state_dict=None,
         min_replica_size=config.min_replicas,

@@ -38,7 +38,7 @@ def sail(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]
         (["--rdzv-endpoint", "h1:65536"], "--rdzv-endpoint 'h1:65536'"),
         (["--rdzv-endpoint", "h1:0", "--nnodes", "2"], "port 0 for a job on more than one node"),
         (["--rdzv-backend", "static", "--rdzv-endpoint", "h1"], "names no port"),
-        (["--master-addr", "a b"], "--master-addr 'a b'"),
+        (["--master-addr", "a b", "--master-port", "29500"], "--master-addr 'a b'"),
         (["--nnodes", "x"], "--nnodes 'x'"),
         (["--nnodes", "2:1"], "--nnodes '2:1'"),
         (["--nnodes", "0"], "--nnodes '0'"),

@@ -11,6 +11,7 @@ its flags that precedes every check."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import re
@@ -22,6 +23,8 @@ import pytest
 from deepspeed.launcher.runner import fetch_hostfile
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+from torch.distributed.run import get_args_parser
 
 from spikingsail.backends import load_config
 from spikingsail.cli import doctor
@@ -54,7 +57,7 @@ EDGES = ["-1", "0", "1", "2", "3", "65535", "65536", "99999", "-5", "inf", "-inf
          "1.5", "x", "", " ", "٣", "+2", "0x10", "2_0", "9" * 25, "1:2", "2:1"]  # fmt: skip
 NUMBERS = st.one_of(st.sampled_from(EDGES), st.integers(-(2**17), 2**17).map(str))
 # a command line's words: anything but NUL, which no argv can hold
-TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12)
+TEXT = st.text(st.characters(exclude_categories=["Cs"], exclude_characters="\x00"), max_size=12)
 HOSTS = st.sampled_from(["h1", "node2", "127.0.0.1", "[::1]", "a b", "-oProxyCommand=x", "", "h1:"])
 ENDPOINTS = st.one_of(st.builds(lambda h, p: f"{h}:{p}", HOSTS, NUMBERS), HOSTS)
 HOST_LISTS = st.lists(st.builds(lambda h, n: f"{h}:{n}", HOSTS, NUMBERS), min_size=1, max_size=3).map(
@@ -126,7 +129,7 @@ def flags(table: dict[str, st.SearchStrategy[str]], most: int = 4) -> st.SearchS
     return chosen.map(lambda pairs: [word for p in pairs for word in p])
 
 
-SCRIPT_ARGS = st.one_of(
+SCRIPT_ARGS: st.SearchStrategy[list[str]] = st.one_of(
     st.just([]),
     st.sampled_from(sorted(CONFIGS)).map(lambda c: ["--sail-config", c]),
     st.just(["--sail-config", "missing.json"]),
@@ -259,7 +262,7 @@ def test_bench_comm(workdir: Path, argv: list[str], launch_flags: list[str]) -> 
     (job_args,) = {
         line.split(comm_bench.__name__, 1)[1] for line in out.splitlines() if comm_bench.__name__ in line
     }
-    parser = comm_bench.argparse.ArgumentParser()
+    parser = argparse.ArgumentParser()
     comm_bench.add_arguments(parser)
     comm_bench.sweep_config(parser.parse_args(shlex.split(job_args)))  # the job's own reading of them
 
@@ -314,3 +317,38 @@ def test_hostfiles_against_deepspeeds_parser(
     elif isinstance(theirs, dict):
         stricter = ("is not a host name", "slot count", "cannot read", "listed again", "not UTF-8")
         assert any(reason in ours for reason in stricter), (lines, ours)
+
+
+# --- torchrun's flags: accepted exactly as torchrun accepts them ----------------------------------
+
+TORCHRUN = {
+    "--nnodes": LAUNCH["--nnodes"],
+    "--master-port": NUMBERS,
+    "--master-addr": LAUNCH["--master-addr"],
+    "--rdzv-endpoint": ENDPOINTS,
+    "--rdzv-backend": LAUNCH["--rdzv-backend"],
+    "--max-restarts": NUMBERS,
+}
+
+
+@fuzz(150)
+@given(argv=flags(TORCHRUN))
+@example(argv=["--master-port", "99999"])
+@example(argv=["--nnodes", "2:1"])
+@example(argv=["--rdzv-endpoint", "h1:notaport"])
+def test_torchrun_flags_are_refused_where_torchrun_refuses_them(workdir: Path, argv: list[str]) -> None:
+    """`sail launch` refuses a torchrun flag's value where torchrun itself would (its parser, its run,
+    its rendezvous handler), and nowhere else but for a port the other processes cannot use: a
+    --master-port outside 1..65535 (torchrun ignores it unless its rendezvous is static; sail launch
+    sets up the rendezvous on it across nodes whatever the backend, and port 0 is any free port,
+    which no other process can know), or a --rdzv-endpoint port 0 for more than one node."""
+    status, _, err = sail(["launch", "--dry-run", "-n", "1", *argv, "train.py"])
+    theirs = torchrun_config(["--nproc-per-node", "1", *argv, "train.py"])
+    if isinstance(theirs, str):
+        assert status == 2, (argv, theirs)
+        return
+    ns = get_args_parser().parse_args([*argv, "train.py"])
+    unusable = (ns.master_port is not None and not 1 <= ns.master_port <= 65535) or (
+        ns.rdzv_endpoint and theirs.max_nodes > 1 and parse_rendezvous_endpoint(ns.rdzv_endpoint, 1)[1] == 0
+    )
+    assert status == (2 if unusable else 0), (argv, err)

@@ -230,7 +230,9 @@ def _launcher_args(text: str) -> list[str]:
         ) from None
 
 
-def _check_layout(launcher: str, nnodes: tuple[int, int, int], nodes: list[Node] | None, nproc: str) -> None:
+def _check_layout(
+    launcher: str, nnodes: tuple[int, int, int | None], nodes: list[Node] | None, nproc: str
+) -> None:
     """What torchrun would refuse only in its agents, known here: 'gpu' processes on this machine
     without a GPU; and a rendezvous on port 0 (any free port), which works for one node only."""
     if launcher == "local" and not nodes and nproc == "gpu" and not torch.cuda.is_available():

@@ -149,13 +149,13 @@ class TorchrunArgs:
         return strip_flags(self.flags, PER_NODE_FLAGS)
 
 
-def check_values(ns: argparse.Namespace) -> tuple[int, int, int]:
+def check_values(ns: argparse.Namespace) -> tuple[int, int, int | None]:
     """torchrun's own checks of its values, made here before anything starts: torchrun makes them
     in its agent on every node, which ends with a traceback after the job was started. Uses
     torchrun's own parsing (``parse_min_max_nnodes``, ``get_rdzv_endpoint``,
     ``parse_rendezvous_endpoint``), so what passes here is what torchrun accepts (and a master
-    port that is not 0). Returns the (min, max) node counts and the rendezvous port."""
-    nodes = node_range(str(ns.nnodes))
+    port that is not 0). Returns the (min, max) node counts and the port of ``--rdzv-endpoint``."""
+    low, high = node_range(str(ns.nnodes))
     if ns.max_restarts < 0:
         raise LaunchError(
             f"--max-restarts {ns.max_restarts}",
@@ -164,12 +164,10 @@ def check_values(ns: argparse.Namespace) -> tuple[int, int, int]:
         )
     if ns.master_port is not None:  # 0 too: any free port, which the other processes cannot know
         check_port("--master-port", ns.master_port, "give a free port, e.g. 29500 (torchrun's default)")
-    static = ns.rdzv_backend == "static"
-    port = TORCHRUN_MASTER_PORT if ns.master_port is None else ns.master_port
-    endpoint = get_rdzv_endpoint(argparse.Namespace(**{**vars(ns), "master_port": port}))  # type: ignore[no-untyped-call]
+    endpoint, static = _endpoint(ns, high)
     flag = "--rdzv-endpoint" if ns.rdzv_endpoint else "--master-addr"
     try:
-        _, chosen = parse_rendezvous_endpoint(endpoint, -1 if static else C10D_PORT)
+        _, port = parse_rendezvous_endpoint(endpoint, -1 if static else C10D_PORT)
     except ValueError as err:
         raise LaunchError(
             f"{flag} {(ns.rdzv_endpoint or ns.master_addr)[:80]!r}",
@@ -177,13 +175,25 @@ def check_values(ns: argparse.Namespace) -> tuple[int, int, int]:
             "write a host name or address"
             + (", and a port up to 65535 after ':'" if ns.rdzv_endpoint else ""),
         ) from None
-    if chosen == -1:  # torchrun's static rendezvous has no default port
+    if port == -1:  # torchrun's static rendezvous has no default port
         raise LaunchError(
             f"--rdzv-endpoint {endpoint} names no port",
             "the static rendezvous (torchrun's default backend) has no default port",
             "write HOST:PORT, or pass --rdzv-backend c10d",
         )
-    return (*nodes, chosen)
+    return low, high, port if ns.rdzv_endpoint else None
+
+
+def _endpoint(ns: argparse.Namespace, most_nodes: int) -> tuple[str, bool]:
+    """The rendezvous endpoint torchrun settles on, and whether its rendezvous is static: as
+    ``torch.distributed.run.run`` does, --standalone and a one-node static rendezvous named by
+    neither an endpoint nor a master port become c10d on ``localhost:0``."""
+    static = ns.rdzv_backend == "static"
+    alone = static and not ns.rdzv_endpoint and ns.master_port is None and most_nodes == 1
+    if ns.standalone or alone:
+        return "localhost:0", False
+    port = TORCHRUN_MASTER_PORT if ns.master_port is None else ns.master_port
+    return get_rdzv_endpoint(argparse.Namespace(**{**vars(ns), "master_port": port})), static  # type: ignore[no-untyped-call]
 
 
 def node_range(text: str) -> tuple[int, int]:

@@ -128,21 +128,23 @@ MIXING: dict[str, tuple[Callable[[], nn.Module], str]] = {
 }
 
 
+def assert_chunks_would_differ(net: nn.Module, k: int) -> None:
+    """The refusal is not a formality: in chunks, without the check, the gradients are not the model's."""
+    _, grads = gradients(copy.deepcopy(net), steps())
+    wrapped = chunked(copy.deepcopy(net), k)
+    wrapped.checkpoint_fn.func._checked = True  # as if checked: what training computed before the check
+    _, chunked_grads = gradients(wrapped, steps())
+    assert any(
+        not torch.allclose(g, c, rtol=RTOL, atol=ATOL) for g, c in zip(grads, chunked_grads, strict=True)
+    )
+
+
 @pytest.mark.parametrize("name", list(MIXING))
 @pytest.mark.parametrize("k", [1, 3])
 def test_a_module_that_mixes_time_steps_is_refused_naming_it(name: str, k: int) -> None:
     build, message = MIXING[name]
     net = build()
-    _, grads = gradients(copy.deepcopy(net), steps())
-    wrapped = chunked(copy.deepcopy(net), k)
-    try:  # what the chunks would compute: not the model's gradients (the refusal is not a formality)
-        wrapped.checkpoint_fn.func._checked = True
-        _, chunked_grads = gradients(wrapped, steps())
-        assert any(
-            not torch.allclose(g, c, rtol=RTOL, atol=ATOL) for g, c in zip(grads, chunked_grads, strict=True)
-        )
-    finally:
-        wrapped.checkpoint_fn.func._checked = False
+    assert_chunks_would_differ(net, k)
     with pytest.raises(ConfigError, match=message) as error:
         chunked(net, k)(steps())
     assert "snn.time_chunk is" in str(error.value) and "fix:" in str(error.value)
@@ -164,13 +166,7 @@ def test_a_mixing_module_behind_neurons_that_do_not_fire_yet_is_refused() -> Non
     with torch.no_grad():
         assert not net[:2](steps()).any()  # no spike reaches the mean
     functional.reset_net(net)
-    _, grads = gradients(copy.deepcopy(net), steps())
-    wrapped = chunked(copy.deepcopy(net), 3)
-    wrapped.checkpoint_fn.func._checked = True
-    _, chunked_grads = gradients(wrapped, steps())
-    assert any(
-        not torch.allclose(g, c, rtol=RTOL, atol=ATOL) for g, c in zip(grads, chunked_grads, strict=True)
-    )
+    assert_chunks_would_differ(net, 3)
     with pytest.raises(ConfigError, match=r"module '2' \(TemporalMean\) mixes time steps"):
         chunked(net, 3)(steps())
 

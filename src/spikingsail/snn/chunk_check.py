@@ -153,21 +153,21 @@ def _compare(model: nn.Module, stepping: set[int], slots: Slots, call: tuple[Any
             _record(model, stepping, whole, lambda: model(x, *rest, **kwargs))
         except Exception as error:
             raise _WholeRunError(error) from error
-        _check_time_axis(whole, [x.shape[0]], x, what)
+        _check_time_axis(whole, [x.shape[0]], x, what, whole=True)
         whole_buffers = _other_buffers(model)
         restart()
         parts: list[Calls] = []
         try:
             _record(model, stepping, parts, lambda: [model(piece, *rest, **kwargs) for piece in pieces])
         except Exception as error:  # the model cannot run on a chunk: say why instead of its traceback
-            _check_time_axis(parts, [len(p) for p in pieces[: len(parts)]], x, what)
+            _check_time_axis(parts, [len(p) for p in pieces[: len(parts)]], x, what, whole=False)
             raise ConfigError(
                 f"{what}: the model fails on a chunk of {len(pieces[0])} of its {x.shape[0]} time steps "
                 f"({type(error).__name__}: {error})",
                 "time chunks call the model on k steps at a time, which this model does not accept",
                 "give the model a [T, N, ...] sequence that it steps through (any T), or drop snn.time_chunk",
             ) from error
-        _check_time_axis(parts, [len(p) for p in pieces], x, what)
+        _check_time_axis(parts, [len(p) for p in pieces], x, what, whole=False)
         _check_buffers(whole_buffers, _other_buffers(model), what)
         _check_modules(model, whole, parts, what)
 
@@ -229,7 +229,7 @@ def _device_type(model: nn.Module) -> str:
     return parameter.device.type if parameter is not None else "cpu"
 
 
-def _check_time_axis(runs: list[Calls], lengths: list[int], x: torch.Tensor, what: str) -> None:
+def _check_time_axis(runs: list[Calls], lengths: list[int], x: torch.Tensor, what: str, whole: bool) -> None:
     """Every multi-step memory module (neurons, BNTT) steps through the time steps the call was given."""
     for calls, length in zip(runs, lengths, strict=True):
         for (name, _), module_calls in calls.items():
@@ -238,7 +238,11 @@ def _check_time_axis(runs: list[Calls], lengths: list[int], x: torch.Tensor, wha
                 raise ConfigError(
                     f"{what}: the model's first argument is not its time axis: called with shape "
                     f"{tuple(x.shape)}, its multi-step module '{name}' stepped through {steps} step(s) "
-                    f"where the first dimension had {length}",
+                    + (
+                        f"where the first dimension had {length}"
+                        if whole
+                        else f"on a chunk of {length} of it"
+                    ),
                     "time chunks split the first dimension of the model's input as T; a model whose forward "
                     "takes [N, ...] and repeats it over T inside (spikingjelly's tutorial models) would be "
                     "split along the batch, and its neurons carry one sample's state into another",

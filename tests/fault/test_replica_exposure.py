@@ -20,6 +20,7 @@ import torch
 
 from tests.fault.test_replicas import _wait_for_worker, launch
 from tests.multiprocess import run_ranks
+from tests.neighbour import python_as_neighbour
 
 SECRET = bytes(range(32))  # the same in every process of a test (each imports this module)
 TIMEOUT = timedelta(seconds=30)
@@ -79,7 +80,8 @@ def test_every_torchft_service_of_a_job_on_one_machine_listens_on_loopback_only(
     """The lighthouse, each group's manager (gRPC) and the groups' process group: on loopback, and
     no checkpoint HTTP server at all (torchft's listened on every interface). torchrun's agents are
     left out: their c10d store is torch's, not torchft's, and listens on every interface whatever
-    its host (torch gives it no bind address)."""
+    its host (torch gives it no bind address). The job's secret is on no command line, and another
+    user of the machine cannot read the job's environment."""
     out = tmp_path / "run"
     job = launch(out, "--step-sleep", "0.5", wait=False)
     try:
@@ -87,6 +89,8 @@ def test_every_torchft_service_of_a_job_on_one_machine_listens_on_loopback_only(
         processes = descendants(job.pid)
         lighthouse = next(pid for pid, command in processes.items() if "torchft_lighthouse" in command)
         torchft = {pid: listening(pid) for pid in [job.pid, lighthouse, *workers]}
+        secret = _environment(workers[0])["SAIL_REPLICA_SECRET"]
+        seen = python_as_neighbour(_LOOK_AROUND, *map(str, processes))
     finally:
         job.send_signal(signal.SIGINT)
         job.communicate(timeout=120)
@@ -95,6 +99,34 @@ def test_every_torchft_service_of_a_job_on_one_machine_listens_on_loopback_only(
         assert len(torchft[worker]) >= 2, torchft[worker]
     exposed = {pid: [a for a in found if not loopback(a[0])] for pid, found in torchft.items()}
     assert exposed == {pid: [] for pid in torchft}, "listening beyond loopback: " + repr(exposed)
+    # the job's secret: in its processes' environment, which a neighbour cannot read, on no command line
+    assert len(bytes.fromhex(secret)) == 32
+    assert seen.returncode == 0, seen.stderr
+    assert "cmdlines-done" in seen.stdout and "replica_worker.py" in seen.stdout  # it saw the job's
+    assert secret not in seen.stdout
+    assert "environ-read" not in seen.stdout
+
+
+_LOOK_AROUND = """
+import sys
+from pathlib import Path
+for proc in Path("/proc").iterdir():
+    try:
+        print(proc.name, (proc / "cmdline").read_bytes().replace(bytes(1), b" ").decode(errors="replace"))
+    except OSError:
+        pass
+print("cmdlines" + "-done")  # split: the program's own command line holds its text
+for pid in sys.argv[1:]:
+    try:
+        print(pid, "environ" + "-read", Path(f"/proc/{pid}/environ").read_bytes())
+    except OSError:
+        pass
+"""
+
+
+def _environment(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(p.decode().split("=", 1) for p in pairs if b"=" in p)
 
 
 # -- what a healing group accepts ------------------------------------------------------------------

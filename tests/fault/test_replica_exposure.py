@@ -76,6 +76,8 @@ def descendants(pid: int) -> dict[int, str]:
     return found
 
 
+@pytest.mark.multiprocess
+@pytest.mark.alone
 def test_every_torchft_service_of_a_job_on_one_machine_listens_on_loopback_only(tmp_path: Path) -> None:
     """The lighthouse, each group's manager (gRPC) and the groups' process group: on loopback, and
     no checkpoint HTTP server at all (torchft's listened on every interface). torchrun's agents are

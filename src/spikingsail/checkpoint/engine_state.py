@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from spikingsail.checkpoint import dcp_io
 from spikingsail.checkpoint.compatibility import check_resumable
 from spikingsail.checkpoint.faults import FULL_BYTES, Failure, estimate_bytes, free_bytes, save_error
+from spikingsail.checkpoint.lock import fence
 from spikingsail.checkpoint.store import CheckpointStore, seal
 from spikingsail.config.schema import SailConfig
 from spikingsail.environments import RankInfo
@@ -235,6 +236,7 @@ class _Saving:
 
         def put_in_place() -> None:
             if rank == 0:
+                fence(self.store.root)  # a job whose directory lock was taken while it wrote commits nothing
                 self.store.commit(self.tag, metadata, sealed)
                 self.store.prune(self.training.config.checkpoint.keep_last)
 

@@ -197,8 +197,25 @@ def test_the_tutorial_shape_is_refused_naming_the_shape_and_the_fix(through_time
     net = Tutorial(T, through_time)
     with pytest.raises(ConfigError, match=r"the model's first argument is not its time axis") as error:
         chunked(net, 3)(images(n))
-    assert f"called with shape {(n, 1, 4, 4)}" in str(error.value)
+    assert f"of its input {(n, 1, 4, 4)}" in str(error.value)
     assert "engine.encode(x)" in str(error.value) and "firing_rate" in str(error.value)
+
+
+class Positions(nn.Module):
+    """Adds a learned embedding per time step: it runs on exactly T steps, never on a chunk."""
+
+    def __init__(self, time_steps: int, features: int) -> None:
+        super().__init__()
+        self.embedding = nn.Parameter(torch.rand(time_steps, 1, features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.embedding
+
+
+def test_a_model_that_runs_on_exactly_t_steps_is_refused_not_a_traceback() -> None:
+    with pytest.raises(ConfigError, match=r"the model fails when called on 6 of the 8 time steps") as error:
+        chunked(around(Positions(T, 8)), 3)(steps())
+    assert "RuntimeError" in str(error.value) and "fix:" in str(error.value)
 
 
 def test_a_buffer_changed_on_every_call_is_refused_naming_it() -> None:

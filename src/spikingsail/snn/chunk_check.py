@@ -6,16 +6,16 @@ local in time; a part that reads other time steps (a mean, attention or a convol
 buffer that changes on every call, or a model whose first argument is not its time axis (the
 tutorials' ``forward(x)`` that repeats an ``[N, ...]`` image over T inside) computes something else
 in chunks, silently. No structural rule sees a ``x.mean(0)`` in a ``forward``, so the first chunked
-training forward runs the model twice without gradients on its own input, whole and in the chunks
-it is about to use, and compares every module's inputs and outputs along the way.
+training forward runs the model twice without gradients on the steps of its first two chunks: whole,
+and in those two chunks, and compares every module's inputs and outputs along the way.
 
 Both runs start from the same neuron state, buffers and RNG state, with torch's batch norms and
 dropouts in eval mode (the comparison is then deterministic and no running statistic moves),
 autocast and TF32 off (float32 rounding, not bf16's, between the two) and the neurons firing
 smoothly (``_smooth``); everything is put back afterwards.
 Each module call keeps a fingerprint per index of each dimension (three sums, in float64), not its
-output, so the check holds what a no-grad forward holds: one no-grad forward of the micro-batch, as
-an evaluation step does, plus one chunk's.
+output, so the check holds what a no-grad forward of 2k steps holds: less than the training forward's
+chunks keep, for a model of more than a few layers.
 """
 
 from __future__ import annotations
@@ -127,7 +127,9 @@ def check_chunks(model: nn.Module, x: torch.Tensor, rest: tuple[Any, ...], kwarg
     spiking: list[Any] = [
         m for m in model.modules() if isinstance(m, surrogate.SurrogateFunctionBase) and m.spiking
     ]
-    pieces = torch.tensor_split(x, chunks, dim=0)
+    # The first two chunks the training forward will use, and their steps whole: one chunk boundary,
+    # and a no-grad forward of 2k steps, not T (which could hold more than the chunks save).
+    pieces = torch.tensor_split(x, chunks, dim=0)[:2]
     for smooth in [True, False] if spiking else [False]:
         try:
             with _smooth(spiking if smooth else []):
@@ -135,39 +137,44 @@ def check_chunks(model: nn.Module, x: torch.Tensor, rest: tuple[Any, ...], kwarg
             return
         except _WholeRunError as failed:  # e.g. a kernel that only fires spikes: check them as they are
             if not smooth:
-                raise failed.error from None  # as the model's own forward would have failed
+                raise _fails(what, x, len(failed.steps), failed.error) from failed.error
 
 
 class _WholeRunError(Exception):
-    def __init__(self, error: Exception) -> None:
+    def __init__(self, steps: torch.Tensor, error: Exception) -> None:
         super().__init__(str(error))
-        self.error = error
+        self.steps, self.error = steps, error
+
+
+def _fails(what: str, x: torch.Tensor, steps: int, error: Exception) -> ConfigError:
+    return ConfigError(
+        f"{what}: the model fails when called on {steps} of the {x.shape[0]} time steps of its input "
+        f"{tuple(x.shape)} ({type(error).__name__}: {error})",
+        "time chunks call the model on k steps at a time, which this model does not accept",
+        "give the model a [T, N, ...] sequence that it steps through (any T), or drop snn.time_chunk",
+    )
 
 
 def _compare(model: nn.Module, stepping: set[int], slots: Slots, call: tuple[Any, ...],
              pieces: tuple[torch.Tensor, ...], what: str) -> None:  # fmt: skip
     x, rest, kwargs = call
+    steps = x[: sum(len(p) for p in pieces)]
     with _restored(model, slots, x.device) as restart:
         whole: list[Calls] = []
         try:
-            _record(model, stepping, whole, lambda: model(x, *rest, **kwargs))
+            _record(model, stepping, whole, lambda: model(steps, *rest, **kwargs))
         except Exception as error:
-            raise _WholeRunError(error) from error
-        _check_time_axis(whole, [x.shape[0]], x, what, whole=True)
+            raise _WholeRunError(steps, error) from error
+        _check_time_axis(whole, [len(steps)], x, what)
         whole_buffers = _other_buffers(model)
         restart()
         parts: list[Calls] = []
         try:
             _record(model, stepping, parts, lambda: [model(piece, *rest, **kwargs) for piece in pieces])
         except Exception as error:  # the model cannot run on a chunk: say why instead of its traceback
-            _check_time_axis(parts, [len(p) for p in pieces[: len(parts)]], x, what, whole=False)
-            raise ConfigError(
-                f"{what}: the model fails on a chunk of {len(pieces[0])} of its {x.shape[0]} time steps "
-                f"({type(error).__name__}: {error})",
-                "time chunks call the model on k steps at a time, which this model does not accept",
-                "give the model a [T, N, ...] sequence that it steps through (any T), or drop snn.time_chunk",
-            ) from error
-        _check_time_axis(parts, [len(p) for p in pieces], x, what, whole=False)
+            _check_time_axis(parts, [len(p) for p in pieces[: len(parts)]], x, what)
+            raise _fails(what, x, len(pieces[len(parts)]), error) from error
+        _check_time_axis(parts, [len(p) for p in pieces], x, what)
         _check_buffers(whole_buffers, _other_buffers(model), what)
         _check_modules(model, whole, parts, what)
 
@@ -229,20 +236,16 @@ def _device_type(model: nn.Module) -> str:
     return parameter.device.type if parameter is not None else "cpu"
 
 
-def _check_time_axis(runs: list[Calls], lengths: list[int], x: torch.Tensor, what: str, whole: bool) -> None:
+def _check_time_axis(runs: list[Calls], lengths: list[int], x: torch.Tensor, what: str) -> None:
     """Every multi-step memory module (neurons, BNTT) steps through the time steps the call was given."""
     for calls, length in zip(runs, lengths, strict=True):
         for (name, _), module_calls in calls.items():
             steps = next((c.steps for c in module_calls if c.steps is not None and c.steps != length), None)
             if steps is not None:
                 raise ConfigError(
-                    f"{what}: the model's first argument is not its time axis: called with shape "
-                    f"{tuple(x.shape)}, its multi-step module '{name}' stepped through {steps} step(s) "
-                    + (
-                        f"where the first dimension had {length}"
-                        if whole
-                        else f"on a chunk of {length} of it"
-                    ),
+                    f"{what}: the model's first argument is not its time axis: called on {length} of the "
+                    f"{x.shape[0]} entries of the first dimension of its input {tuple(x.shape)}, its multi-step "
+                    f"module '{name}' stepped through {steps} step(s)",
                     "time chunks split the first dimension of the model's input as T; a model whose forward "
                     "takes [N, ...] and repeats it over T inside (spikingjelly's tutorial models) would be "
                     "split along the batch, and its neurons carry one sample's state into another",

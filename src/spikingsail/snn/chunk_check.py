@@ -176,7 +176,7 @@ def _compare(model: nn.Module, stepping: set[int], slots: Slots, call: tuple[Any
             raise _fails(what, x, len(pieces[len(parts)]), error) from error
         _check_time_axis(parts, [len(p) for p in pieces], x, what)
         _check_buffers(whole_buffers, _other_buffers(model), what)
-        _check_modules(model, whole, parts, what)
+        _check_modules(model, whole, parts, [len(p) for p in pieces], what)
 
 
 @contextlib.contextmanager
@@ -255,8 +255,9 @@ def _check_time_axis(runs: list[Calls], lengths: list[int], x: torch.Tensor, wha
                 )
 
 
-def _check_modules(model: nn.Module, whole: list[Calls], parts: list[Calls],
-                   what: str) -> None:  # fmt: skip
+def _check_modules(
+    model: nn.Module, whole: list[Calls], parts: list[Calls], lengths: list[int], what: str
+) -> None:  # fmt: skip
     """The first module, in the order they return, whose chunked outputs are not its whole ones."""
     kinds = {name: type(m).__name__ for name, m in model.named_modules()}
     (calls,) = whole
@@ -265,12 +266,12 @@ def _check_modules(model: nn.Module, whole: list[Calls], parts: list[Calls],
         if _calls_match(module_calls, chunk_calls, outputs=True):
             continue
         name, caller = site
-        chunked = f"in {len(parts)} chunks of the first micro-batch"
+        chunked = f"on the first micro-batch's first {' + '.join(map(str, lengths))} steps in chunks"
         if _calls_match(module_calls, chunk_calls, outputs=False):
             module = (
                 f"module '{name}' ({kinds[name]})" if name else f"the model's own forward ({kinds[name]})"
             )
-            culprit = f"{module} mixes time steps: its output {chunked} differs from its output on the whole sequence"
+            culprit = f"{module} mixes time steps: its output {chunked} differs from its output on them whole"
         else:  # its input differs although every module that returned before it matched
             where = (
                 f"the forward of '{caller}' ({kinds[caller]})"
@@ -279,7 +280,7 @@ def _check_modules(model: nn.Module, whole: list[Calls], parts: list[Calls],
             )
             culprit = (
                 f"{where} mixes time steps between the modules it calls: the input of '{name}' {chunked} "
-                "differs from its input on the whole sequence"
+                "differs from its input on them whole"
             )
         raise ConfigError(
             f"{what}: {culprit}",

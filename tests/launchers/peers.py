@@ -16,7 +16,7 @@ from unittest import mock
 
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT_PORT as C10D_PORT
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT_PORT
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import create_rdzv_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
@@ -55,7 +55,7 @@ def torchrun_config(args: list[str]) -> LaunchConfig | str:
                 )
             )  # fmt: skip
         else:  # c10d's handler opens its store at once: its first step is this reading of the endpoint
-            parse_rendezvous_endpoint(config.rdzv_endpoint, C10D_PORT)
+            parse_rendezvous_endpoint(config.rdzv_endpoint, DEFAULT_PORT)
     except ValueError as refused:
         return f"torchrun's rendezvous: {refused}"
     return config

@@ -11,10 +11,6 @@ import argparse
 import re
 from dataclasses import dataclass
 
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT_PORT as C10D_PORT
-from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-from torch.distributed.run import get_rdzv_endpoint, parse_min_max_nnodes
-
 from spikingsail.errors import LaunchError, first_line
 from spikingsail.launchers.spec import check_port
 
@@ -155,6 +151,10 @@ def check_values(ns: argparse.Namespace) -> tuple[int, int, int | None]:
     torchrun's own parsing (``parse_min_max_nnodes``, ``get_rdzv_endpoint``,
     ``parse_rendezvous_endpoint``), so what passes here is what torchrun accepts (and a master
     port that is not 0). Returns the (min, max) node counts and the port of ``--rdzv-endpoint``."""
+    # torch only here: `sail doctor` reads the flags' names without it, to report a broken torch
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT_PORT as C10D_PORT
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
     low, high = node_range(str(ns.nnodes))
     if ns.max_restarts < 0:
         raise LaunchError(
@@ -188,6 +188,8 @@ def _endpoint(ns: argparse.Namespace, most_nodes: int) -> tuple[str, bool]:
     """The rendezvous endpoint torchrun settles on, and whether its rendezvous is static: as
     ``torch.distributed.run.run`` does, --standalone and a one-node static rendezvous named by
     neither an endpoint nor a master port become c10d on ``localhost:0``."""
+    from torch.distributed.run import get_rdzv_endpoint
+
     static = ns.rdzv_backend == "static"
     alone = static and not ns.rdzv_endpoint and ns.master_port is None and most_nodes == 1
     if ns.standalone or alone:
@@ -198,6 +200,8 @@ def _endpoint(ns: argparse.Namespace, most_nodes: int) -> tuple[str, bool]:
 
 def node_range(text: str) -> tuple[int, int]:
     """``--nnodes N`` or ``MIN:MAX`` as torchrun reads it, with torchrun's rule 0 < MIN <= MAX."""
+    from torch.distributed.run import parse_min_max_nnodes
+
     try:
         low, high = parse_min_max_nnodes(text)
     except (ValueError, RuntimeError):

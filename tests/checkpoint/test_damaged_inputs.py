@@ -17,6 +17,7 @@ import torch
 import spikingsail
 from spikingsail.checkpoint.export import read_saved_model
 from spikingsail.checkpoint.store import CheckpointStore
+from spikingsail.engine.replicas import newest_group_checkpoints
 from spikingsail.errors import CheckpointError
 from tests.checkpoint.damaged import NEWER, OLDER, copy_run, reseal, sail, write_run
 
@@ -149,3 +150,24 @@ def test_save_model_on_a_full_disk(tmp_path: Path, suffix: str) -> None:
         engine.close()
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_resume_falls_back_from_a_manifest_of_another_shape(run: Path, tmp_path: Path) -> None:
+    ck = copy_run(run, tmp_path / "ck")
+    (ck / NEWER / "manifest.json").write_text("[]")
+    engine, _ = spikingsail.initialize(model=torch.nn.Linear(3, 2), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "sail": {"progress_bar": False, "seed": 1}})  # fmt: skip
+    path, _ = engine.load_checkpoint(ck)
+    assert Path(path) == ck / OLDER and engine.global_steps == 2
+    engine.close()
+
+
+@pytest.mark.parametrize("damage", ["[]", '{"files": {}, "global_steps": [4]}'])
+def test_a_replica_group_with_a_damaged_manifest_is_ranked_last(
+    run: Path, tmp_path: Path, damage: str
+) -> None:
+    """Where a restarted group continues from: the other group's directory, not a traceback."""
+    good, damaged = copy_run(run, tmp_path / "replica-0"), copy_run(run, tmp_path / "replica-1")
+    (damaged / NEWER / "manifest.json").write_text(damage)
+    assert newest_group_checkpoints(tmp_path) == good

@@ -240,8 +240,12 @@ class CheckpointStore:
         return bool(self.tags()) or self.latest() is not None or moved_aside
 
     def metadata(self, tag: str) -> dict[str, Any]:
-        """The manifest of ``tag``, checked (``read_manifest``)."""
-        _check_tag(tag)
+        """The manifest of ``tag``, checked (``read_manifest``); ``ManifestError`` for a tag that
+        names no checkpoint directory (a damaged ``latest``) too."""
+        try:
+            _check_tag(tag)
+        except CheckpointError as err:
+            raise ManifestError(err.what, err.why, err.fix) from None
         return read_manifest(self.root / tag / MANIFEST)
 
 

@@ -287,6 +287,8 @@ class JobLock:
         seen = _look(self.path)
         if seen is not None and seen.identity == self.holder.token:
             return
+        if seen is None and not self.path.parent.exists():
+            return  # the whole directory is gone: the save reports that (and does not make it again)
         now = "the lock was removed"
         if seen is not None:
             now = f"the lock now names {seen.holder.describe() if seen.holder else 'an unreadable file'}"
@@ -326,15 +328,17 @@ def fence(directory: str | Path) -> None:
 
 
 def _write_new(path: Path, text: str) -> int:
-    """A new file holding ``text`` in full (on disk before it is linked anywhere); its descriptor."""
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+    """A new file holding ``text`` in full (on disk before it is linked anywhere); a read-only
+    descriptor of it. Its owner refreshes it through that (futimens needs no write access from the
+    owner), and a file open only for reading does not keep its file system from being remounted
+    read-only (the save then reports the read-only file system)."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     try:
         os.write(fd, text.encode())
         os.fsync(fd)
-    except BaseException:
+    finally:
         os.close(fd)
-        raise
-    return fd
+    return os.open(path, os.O_RDONLY)
 
 
 def _look(path: Path) -> _Seen | None:

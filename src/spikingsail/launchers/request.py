@@ -90,16 +90,18 @@ def parser() -> argparse.ArgumentParser:
         choices=LAUNCHER_NAMES,
         help="how to start the per-node agents or processes (default: ssh)",
     )
-    own.add_argument("--ssh-port", type=int, help="ssh port of the hosts (e.g. 222)")
+    own.add_argument("--ssh-port", type=int, help="ssh port of the hosts (1 to 65535, e.g. 222)")
     own.add_argument("--ssh-user", help="remote user name")
     own.add_argument("--ssh-config", help="ssh client config file (ssh -F)")
-    own.add_argument("--connect-timeout", type=int, default=10, help="seconds to reach a host before failing")
+    own.add_argument(
+        "--connect-timeout", type=int, default=10, help="seconds to reach a host before failing (1 to 86400)"
+    )
     own.add_argument(
         "--heartbeat-timeout",
         type=int,
         default=30,
         help="seconds without a heartbeat from sail launch after which a node ends its part of the job "
-        "(ssh, pdsh); also how long sail waits for a silent node (default 30)",
+        "(ssh, pdsh); also how long sail waits for a silent node (3 to 86400, default 30)",
     )
     own.add_argument(
         "--env",
@@ -130,7 +132,8 @@ def parser() -> argparse.ArgumentParser:
         default=0,
         metavar="R",
         help="run R replica groups of -n processes, each under its own torchrun agent, with torchft's "
-        "lighthouse: a group that dies is restarted and heals from a live one while the others train on",
+        "lighthouse: a group that dies is restarted and heals from a live one while the others train on "
+        f"(with -H at most one group per host; here at most {MAX_SLOTS} processes in all)",
     )
     own.add_argument(
         "--ft-heartbeat-timeout",
@@ -138,7 +141,7 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=1.0,
         metavar="SECONDS",
-        help="with --ft-replicas: a group silent this long leaves the quorum (default 1)",
+        help="with --ft-replicas: a group silent this long leaves the quorum (above 0, at most 86400; default 1)",
     )
     return p
 

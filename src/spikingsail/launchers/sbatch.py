@@ -203,7 +203,7 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=120,
         metavar="SECONDS",
-        help="with --requeue: how long before the time limit SLURM signals the job (default 120)",
+        help="with --requeue: how long before the time limit SLURM signals the job (1 to 65535, default 120)",
     )
     p.add_argument(
         "--dist-init-method",

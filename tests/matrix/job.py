@@ -24,15 +24,17 @@ import spikingsail
 from spikingsail.data.sampler import split_batch
 from spikingsail.errors import SailError
 from tests.device_copy import copying_device_moves
-from tests.matrix.cells import SNN_TIME_STEPS, STEPS, STOP_STEP
+from tests.matrix.cells import RAGGED_LENGTH, SNN_TIME_STEPS, STEPS, STOP_STEP
 
 MICRO = 4
 """Samples per rank and micro-step in the matrix's 2-rank jobs (``spec["micro"]`` when given)."""
 
 
-def dataset() -> TensorDataset:
+def dataset(epoch: str = "whole") -> TensorDataset:
+    """96 samples, or ``RAGGED_LENGTH`` (cells.EPOCHS)."""
     g = torch.Generator().manual_seed(11)
-    return TensorDataset(torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g))
+    length = RAGGED_LENGTH if epoch == "ragged" else 96
+    return TensorDataset(torch.randn(length, 6, generator=g), torch.randint(0, 3, (length,), generator=g))
 
 
 def config(spec: dict[str, Any], accumulation: int, checkpoints: str | None, phase: str) -> dict[str, Any]:
@@ -126,15 +128,18 @@ def _run(
         return {"refused": str(err)}
     stop = {"boundary": STOP_STEP * accumulation, "window": STOP_STEP * accumulation + 1,
             "sigkill": STOP_STEP * accumulation + 1, "world": STOP_STEP * accumulation}.get(spec["interruption"])  # fmt: skip
-    loader = engine.dataloader(dataset())
+    loader = engine.dataloader(dataset(spec.get("epoch", "whole")))
     balance = engine.config.sail.balance
     micro = engine.config.train_micro_batch_size_per_gpu
-    share = split_batch(micro * engine.world_size, list(balance))[engine.rank] if balance != "off" else micro
+    even = split_batch(micro * engine.world_size, list(balance))[engine.rank] if balance != "off" else micro
     participants = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))  # the fewest groups in a committed step
     while engine.global_steps < STEPS:
         for x, y in loader:
+            share = even
             if engine.replicas is not None:  # the shares follow the groups taking part in the step
                 share = engine._replica_loader.share[0]
+            elif loader.share is not None and loader.share[1] < engine.train_batch_size():
+                share = loader.share[0]  # the epoch's short step (its weights are checked at the end)
             assert len(x) == share, f"rank {engine.rank} got {len(x)} samples, its share is {share}"
             out = engine(engine.encode(x)).mean(0) if spec["model"] == "snn" else engine(x)
             engine.backward(F.cross_entropy(out.float(), y))

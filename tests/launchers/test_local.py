@@ -115,11 +115,14 @@ def test_the_agent_is_sail_launch_itself_forked_not_a_second_interpreter(tmp_pat
         "    with open(f'/proc/{pid}/cmdline', 'rb') as f:\n"
         "        return f.read().split(b'\\0')\n"
         # one write(2) per line: the two workers share the pipe, and print() writes word by word unbuffered
-        "os.write(2, f'AGENT {cmdline(agent) == cmdline(launcher)} {b\"torch.distributed.run\" in cmdline(agent)}\\n'.encode())\n"
+        "title = b'torchrun (the local agent of sail, pid %d)' % launcher\n"
+        "named = b' '.join(cmdline(agent)).startswith(title)\n"
+        "os.write(2, f'AGENT {named} {b\"torch.distributed.run\" in cmdline(agent)}\\n'.encode())\n"
     )
     result = run_sail("launch", "-n", "2", str(script), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    # the workers' parent (torchrun's agent) runs sail launch's own command line: a fork of it
+    # the workers' parent (torchrun's agent) is a fork of sail launch, which names it (a second
+    # interpreter would run python -m torch.distributed.run)
     assert result.stderr.count("AGENT True False") == 2, result.stderr
 
 

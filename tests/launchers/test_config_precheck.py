@@ -61,6 +61,7 @@ def test_the_engines_refusals_are_made_with_the_jobs_world_size(
     job: Path, capsys: pytest.CaptureFixture[str], argv: list[str], world: dict[str, object], message: str
 ) -> None:
     config = write(job / "config.json", world)
+    (job / "train.py").write_text("import spikingsail\n")  # the engine's script: the config is the engine's
     status = main(["launch", "--dry-run", *argv, "train.py", "--deepspeed_config", config])
     err = capsys.readouterr().err
     assert status == 2 and message in err and err.startswith(f"sail launch: {config}"), err
@@ -94,6 +95,20 @@ def test_a_config_without_a_batch_size_is_left_to_the_script(job: Path) -> None:
     check_config(config, 2)
     with pytest.raises(SailError, match=f"^{re.escape(config)}: 'sail' must be an object"):
         check_config(write(job / "config.json", {"sail": 3}), 2)
+
+
+def test_deepspeeds_own_script_keeps_its_config_for_deepspeed(
+    job: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A DeepSpeed script that does not import SpikingSail reads --deepspeed_config with DeepSpeed
+    (ZeRO-3 there needs no "sail" key); the same file for a SpikingSail script is the engine's."""
+    zero3 = write(job / "ds.json", {"train_batch_size": 8, "zero_optimization": {"stage": 3}})
+    (job / "ds_train.py").write_text("import deepspeed\nimport torch\n")
+    (job / "sail_train.py").write_text("import torch\nfrom spikingsail import SpikingSail\n")
+    assert main(["launch", "-n", "2", "--dry-run", "ds_train.py", "--deepspeed_config", zero3]) == 0
+    assert main(["launch", "-n", "2", "--dry-run", "sail_train.py", "--deepspeed_config", zero3]) == 2
+    assert "zero_optimization.stage is 3" in capsys.readouterr().err
+    assert config_paths(["--sail-config", zero3], "ds_train.py") == [zero3]  # our flag: always ours
 
 
 def test_the_flags_are_read_with_the_engines_spellings() -> None:

@@ -30,7 +30,9 @@ LIGHTHOUSE_PORT_TRIES = 5
 
 def run(argv: list[str]) -> int:
     request = parse_request(argv)
-    for path in config_paths(request.script_args):  # once here, not from every rank once started
+    for path in config_paths(
+        request.script_args, request.script
+    ):  # once here, not from every rank once started
         check_config(path, request.world_size, request.ft_replicas)
     if request.ft_replicas:
         return _run_replica_groups(request)

@@ -10,7 +10,9 @@ from spikingsail.launchers.sbatch import parse_submit, submit, wait
 
 def run(argv: list[str]) -> int:
     request, ns = parse_submit(argv)
-    for config in config_paths(request.script_args):  # here, not on the nodes once the job is scheduled
+    for config in config_paths(
+        request.script_args, request.script
+    ):  # here, not on the nodes once the job is scheduled
         check_config(config, request.world_size)
     text = request.render()
     if ns.dry_run:

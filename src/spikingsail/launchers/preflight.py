@@ -159,10 +159,12 @@ CONFIG_FLAGS = {
 does not import the engine; tests/launchers/test_config_precheck.py holds them equal."""
 
 
-def config_paths(script_args: list[str]) -> list[str]:
+def config_paths(script_args: list[str], script: str | None = None) -> list[str]:
     """The config files a training script's arguments name (``--sail-config PATH``,
     ``--deepspeed_config=PATH``, ...); the last of a repeated flag, as argparse keeps it.
-    Abbreviations are not read: a script's parser may not take them."""
+    Abbreviations are not read: a script's parser may not take them. ``--deepspeed_config`` of a
+    ``script`` that does not import SpikingSail is DeepSpeed's own script's: DeepSpeed reads that
+    config (a ZeRO-3 config is fine there, where the engine's default backend would refuse it)."""
     found: dict[str, str] = {}
     words = iter(script_args)
     for word in words:
@@ -171,7 +173,19 @@ def config_paths(script_args: list[str]) -> list[str]:
         name, equals, value = word.partition("=")
         if name in CONFIG_FLAGS:
             found[CONFIG_FLAGS[name]] = value if equals else next(words, "")
+    if script is not None and not _imports_spikingsail(script):
+        found.pop("deepspeed_config", None)
     return list(dict.fromkeys(path for path in found.values() if path))
+
+
+def _imports_spikingsail(script: str) -> bool:
+    """Whether the file ``script`` imports SpikingSail itself (False for a module name, or a file
+    that cannot be read: its config is then left to the job, as before this check)."""
+    try:
+        text = Path(script).read_text(errors="replace")
+    except OSError:
+        return False
+    return re.search(r"^\s*(from|import)\s+spikingsail\b", text, re.MULTILINE) is not None
 
 
 def check_config(path: str, world_size: int | None, replica_groups: int = 0) -> None:

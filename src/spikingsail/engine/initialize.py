@@ -168,11 +168,8 @@ def initialize(
             "SpikingSail config (%s):\n%s", rank_info.source, summary(sail_config, optimizer, lr_scheduler)
         )
         _report_unused(sail_config, backend_cls)
-    _check_zero_stage(sail_config, backend_cls.name, backend_cls.max_zero_stage)  # on every rank
-    _check_offload(sail_config, backend_cls)
-    _check_balance(sail_config, backend_cls, model)
-    if replicas is not None:  # before the backend starts (DeepSpeed's own batch checks would speak first)
-        check_supported(sail_config, backend_cls.name, synchronised_batch_norm(sail_config, model))
+    # on every rank; before the backend starts (DeepSpeed's own batch checks would speak first)
+    check_config(sail_config, backend_cls, model, replica_groups=replicas is not None)
     engine = Engine(
         model=model,
         config=sail_config,
@@ -236,6 +233,19 @@ def _report_unused(config: SailConfig, backend: type[Backend]) -> None:
             key,
             backend.name,
         )
+
+
+def check_config(
+    config: SailConfig, backend: type[Backend], model: torch.nn.Module | None = None, *, replica_groups: bool
+) -> None:
+    """What the engine refuses in a loaded config before it starts its backend: a ZeRO stage, an
+    offload or a balance the backend cannot do, and what replica groups cannot do. Without the
+    ``model`` (``sail launch``'s check before anything starts) what depends on it is left out."""
+    _check_zero_stage(config, backend.name, backend.max_zero_stage)
+    _check_offload(config, backend)
+    _check_balance(config, backend, model)
+    if replica_groups:
+        check_supported(config, backend.name, synchronised_batch_norm(config, model))
 
 
 def _check_offload(config: SailConfig, backend: type[Backend]) -> None:

@@ -197,8 +197,7 @@ def check_config(path: str, world_size: int | None, replica_groups: int = 0) -> 
     ``--batch-size``). What the engine checks against the model (its batch-norm layers) is left to it.
     """
     from spikingsail.backends import backend_class, load_config
-    from spikingsail.engine import initialize as engine
-    from spikingsail.engine.replicas import check_supported
+    from spikingsail.engine.initialize import check_config as check_loaded
 
     raw = _json_object(path)
     source: str | dict[str, Any] = path
@@ -212,11 +211,7 @@ def check_config(path: str, world_size: int | None, replica_groups: int = 0) -> 
     try:
         config = load_config(source, world)
         backend = backend_class(config.sail.backend, config.source)
-        engine._check_zero_stage(config, backend.name, backend.max_zero_stage)
-        engine._check_offload(config, backend)
-        engine._check_balance(config, backend)
-        if replica_groups:
-            check_supported(config, backend.name, engine.synchronised_batch_norm(config, None))
+        check_loaded(config, backend, replica_groups=replica_groups > 0)
     except SailError as err:
         if isinstance(source, str):
             raise

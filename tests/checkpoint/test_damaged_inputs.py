@@ -91,6 +91,8 @@ def test_an_engine_file_that_is_not_a_dict(run: Path, tmp_path: Path) -> None:
         "sail": {"progress_bar": False, "seed": 1}})  # fmt: skip
     with pytest.raises(CheckpointError, match="it holds a list, not a dict"):
         engine.load_checkpoint(ck, NEWER)
+    path, _ = engine.load_checkpoint(ck)  # a resume without a tag falls back, as an export does
+    assert Path(path) == ck / OLDER and engine.global_steps == 2
     engine.close()
 
 

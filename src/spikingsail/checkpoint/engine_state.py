@@ -346,9 +346,14 @@ def _choose(training: TrainingState, load_dir: str | Path, tag: str | None) -> t
     """Rank 0's choice of checkpoint (``tag``, or the latest good one) and its ``engine.pt``."""
     store = CheckpointStore(load_dir)
     chosen: list[Any] = [None]
+    read: dict[Path, dict[str, Any]] = {}  # rank 0 reads the chosen engine.pt once
+
+    def check(path: Path) -> None:
+        read[path] = _read_engine_file(path)
+
     if training.rank_info.rank == 0:
-        try:
-            chosen = [store.resolve(tag)]
+        try:  # without a tag, the newest checkpoint whose engine.pt reads too
+            chosen = [store.resolve(tag, check=check)]
         except CheckpointError as err:  # every rank raises it, none waits for rank 0's choice
             chosen = [(err.what, err.why, err.fix)]
     if dist.is_initialized():
@@ -356,13 +361,20 @@ def _choose(training: TrainingState, load_dir: str | Path, tag: str | None) -> t
     if isinstance(chosen[0], tuple):
         raise CheckpointError(*chosen[0])
     path = store.root / str(chosen[0])
+    saved = read[path] if path in read else _read_engine_file(path)
+    _check_format(training.backend, path, saved)
+    return path, saved
+
+
+def _read_engine_file(path: Path) -> dict[str, Any]:
+    """A checkpoint's ``engine.pt``, which must be a dict (its hash matched the manifest: one that is
+    not was written so, not damaged on disk)."""
     saved = dcp_io.load_weights_only(path / "engine.pt")
-    if not isinstance(saved, dict):  # its hash matched the manifest: written so, not damaged on disk
+    if not isinstance(saved, dict):
         raise CheckpointError(f"{path / 'engine.pt'} is not a SpikingSail engine file",
                               f"it holds a {type(saved).__name__}, not a dict",
                               "load another tag (engine.load_checkpoint(DIR, TAG)), or start a new run")  # fmt: skip
-    _check_format(training.backend, path, saved)
-    return path, saved
+    return saved
 
 
 def _check_format(backend: StateBackend, path: Path, state: dict[str, Any]) -> None:

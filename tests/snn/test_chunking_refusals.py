@@ -218,6 +218,13 @@ def test_a_model_that_runs_on_exactly_t_steps_is_refused_not_a_traceback() -> No
     assert "RuntimeError" in str(error.value) and "fix:" in str(error.value)
 
 
+def test_a_model_that_fails_on_any_steps_fails_with_its_own_error() -> None:
+    """Not blamed on the chunks: a model broken whatever T raises what its own forward raises."""
+    net = around(nn.Linear(7, 8))  # takes 7 features where the layer before gives 8
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        chunked(net, 3)(steps())
+
+
 def test_a_buffer_changed_on_every_call_is_refused_naming_it() -> None:
     with pytest.raises(ConfigError, match=r"buffer '2\.calls' ends the first micro-batch's forward"):
         chunked(around(Counting()), 3)(steps())

@@ -50,7 +50,13 @@ import torch
 from torch import nn
 
 from spikingsail.data.sampler import split_batch
-from spikingsail.engine.timing import Clock, LastGradient
+from spikingsail.engine.timing import (
+    ComputeTimer,
+    Z,
+    log_variance_of_mean,
+    lower_bound,
+    spread,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +84,8 @@ PROBE_MARGIN = 0.03
 """How much faster (steps per second) a neighbour must run to be kept."""
 PROBE_MOVES = 3
 """Neighbours kept one after another in one probe, at most."""
+Bounds = tuple[float, float]
+"""A rank's share that evens the ranks' compute lies strictly between these (``Balancer._learn``)."""
 
 
 def loss_weight(own: int, step: int, world_size: int, accumulation: int) -> float:
@@ -88,44 +96,40 @@ def loss_weight(own: int, step: int, world_size: int, accumulation: int) -> floa
     return world_size * accumulation * own / step
 
 
-class ComputeTimer:
-    """This rank's compute time between two optimizer steps: the step's time less the time it
-    waited for the other ranks at the end of backward (where DDP and Horovod finish their
-    all-reduce), and the samples it trained on.
+@dataclass
+class _Measure:
+    """Each rank's samples per second of compute over some steps, and the variance of its log."""
 
-    The wait is what backward takes after this rank's last gradient (``LastGradient``). Time spent
-    in the engine's own collective at the step boundary is outside the window too.
-    """
+    speeds: list[float]
+    variances: list[float]
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
-        self.clock = Clock(device.type == "cuda")
-        self.samples = 0
-        self.last_gradient = LastGradient(model, self.clock)
-        self._waits: list[tuple[Any, Any]] = []
-        self._start = self.clock.mark()
+    @staticmethod
+    def sums(rows: torch.Tensor) -> torch.Tensor:
+        """Per rank, from per-step rows [..., rank, (compute seconds, samples, wall)]: what a measure
+        is made of, summed over the steps: Σ seconds, Σ samples, Σ seconds², Σ seconds × samples,
+        Σ samples², steps."""
+        c, n = rows[..., 0], rows[..., 1]
+        out = torch.stack([c, n, c * c, c * n, n * n, torch.ones_like(c)], -1)
+        return out if out.dim() == 2 else out.sum(0)
 
-    def begin_backward(self) -> None:
-        self.last_gradient.begin()
+    @staticmethod
+    def of(sums: torch.Tensor) -> _Measure:
+        """The throughput over the steps (a rank that stalls now and then, a throttled or shared
+        device, is as slow as its stalls make it, which a median of steps would hide), and the
+        variance of its log as a ratio estimator's: the steps' residuals about it, Σ (nᵢ − R cᵢ)²
+        ÷ (k − 1), over k · (mean seconds × R)²."""
+        speeds, variances = [], []
+        for seconds, samples, c2, cn, n2, k in sums.tolist():
+            speed = samples / max(seconds, 1e-12)
+            speeds.append(speed)
+            residuals = max(n2 - 2 * speed * cn + speed * speed * c2, 0.0)
+            ok = k >= 2 and speed > 0 and seconds > 0
+            variances.append(residuals / (k - 1) / k / (seconds / k * speed) ** 2 if ok else 0.0)
+        return _Measure(speeds, variances)
 
-    def end_backward(self) -> None:
-        last = self.last_gradient.end()
-        if last is not None:
-            self._waits.append((last, self.clock.mark()))
-
-    def take(self) -> tuple[float, int, float]:
-        """(compute seconds, samples, wall seconds) since the last ``restart``."""
-        step = self.clock.seconds(self._start, self.clock.mark())
-        waited = sum(self.clock.seconds(a, b) for a, b in self._waits)
-        out = (max(step - waited, 1e-9), self.samples, step)
-        self._waits.clear()
-        self.samples = 0
-        return out
-
-    def restart(self) -> None:
-        self._start = self.clock.mark()
-
-    def remove(self) -> None:
-        self.last_gradient.remove()
+    @staticmethod
+    def of_rows(rows: Sequence[torch.Tensor]) -> _Measure:
+        return _Measure.of(_Measure.sums(torch.stack(list(rows))))
 
 
 @dataclass
@@ -139,15 +143,16 @@ class _Probe:
     direction: int
     """-1: the slowest rank gives samples to the fastest; +1: it takes some."""
     kept: int = 0
+    unsure: bool = False
+    """An earlier comparison of this probe found no neighbour slower, with confidence."""
     turns: int = 0
     """Turns (of ``PROBE_STEPS`` steps) done in this comparison; even: the candidate's."""
-    steps: int = 0
-    wall: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
-    """Seconds of the base's (False) and the candidate's (True) turns; each runs ``PROBE_ROUNDS`` turns."""
-    turn: torch.Tensor | None = None
-    """This turn's per-rank (compute seconds, samples, wall seconds), summed over its steps."""
-    totals: dict[bool, torch.Tensor] = field(default_factory=dict)
-    """The same, summed over the base's (False) and the candidate's (True) turns."""
+    turn: list[torch.Tensor] = field(default_factory=list)
+    """This turn's per-step all-reduced rows."""
+    walls: dict[bool, list[float]] = field(default_factory=lambda: {False: [], True: []})
+    """Every step's wall time (the slowest rank's) under the base (False) and the candidate (True)."""
+    totals: dict[bool, list[torch.Tensor]] = field(default_factory=lambda: {False: [], True: []})
+    """The per-step rows of the base's (False) and the candidate's (True) turns."""
 
 
 class Balancer:
@@ -176,7 +181,13 @@ class Balancer:
         self._window: deque[torch.Tensor] = deque(
             maxlen=MEASURE_STEPS
         )  # per step: [rank, (compute seconds, samples, wall seconds)]
-        self._reference: list[float] | None = None  # the speed fractions the split was made from
+        self._steady = torch.zeros(world_size, 6, dtype=torch.float64)
+        """``_Measure.sums`` of every step at the split in use since it took effect (outside probes)."""
+        self._reference: list[float] | None = None  # the speed fractions measured at the split in use
+        self._reference_variances = [0.0] * world_size  # the variances of their logs
+        self._rebase = False
+        """The split changed: the next window at it becomes the reference."""
+        self._bounds: list[Bounds] = self._no_bounds()
         self._refines = 0
         self.corrections = [1.0] * world_size
         """Per-rank factors on the measured speeds, from the last probe: the split they give is the probed one."""
@@ -241,61 +252,134 @@ class Balancer:
         if self._probe is not None:
             return self._probe_step(step, both, rank)
         self._window.append(both)
+        self._steady += _Measure.sums(both)
         if len(self._window) < MEASURE_STEPS:
             return None
-        # throughput over the whole window: a rank that stalls now and then (a throttled or shared
-        # device) is as slow as its stalls make it, which a median of steps would hide
-        speeds = _speeds(torch.stack(list(self._window)).sum(0))
-        fractions = _fractions(speeds)
-        refined = False
-        if self._reference is not None and not self._moved(fractions):
-            # no rank's speed moved by the factor. Shortly after a change, take a split that evens
-            # the ranks' times better, measured at the split now in use (a rank's speed per sample
-            # need not be the same at another share); later, one that corrects a slow drift.
-            if self._refines:
-                if not self._uneven(speeds, REFINE_TOLERANCE):
-                    self._refines = 0
-                    self._settled(speeds)
-                    return None
-                self._refines -= 1
-            elif self._uneven(speeds, DRIFT_TOLERANCE):
-                # a drift below the factor needs no haste, and one 8-step window on a shared machine
-                # can be 10% off by itself: the same rank must stay the slow one for DRIFT_STEPS
-                # more steps (windows sliding over 2 × MEASURE_STEPS steps)
-                slowest = self._slowest(speeds)
-                self._drift = self._drift + 1 if slowest == self._drift_rank else 1
-                self._drift_rank = slowest
-                if self._drift < DRIFT_STEPS:
-                    return None
-                self._refines = REFINE_WINDOWS  # measured at the old shares: refined as after a change
-            else:
-                self._drift = 0
-                self._settled(speeds)
-                return None
-            refined = True
-        return self._change(step, speeds, fractions, rank, refined)
+        return self._judge(step, rank)
 
-    def _change(
-        self, step: int, speeds: list[float], fractions: list[float], rank: int, refined: bool
-    ) -> dict[str, Any] | None:
-        """Split by the measured ``speeds`` (corrected by the last probe unless they moved by the factor)."""
+    def _judge(self, step: int, rank: int) -> dict[str, Any] | None:
+        """With a full window: split again when a rank's speed moved by the factor, or when the
+        split in use is uneven (``_refinement``)."""
+        measure = _Measure.of_rows(self._window)
+        if self._rebase:  # the first window at a new split: what later windows are compared with,
+            # unless a rank's speed changed by the factor within it (its halves tell)
+            steps = list(self._window)
+            later = _Measure.of_rows(steps[MEASURE_STEPS // 2 :])
+            if self._moved(later, _Measure.of_rows(steps[: MEASURE_STEPS // 2])):
+                return self._change(step, later, rank, refined=False)
+            self._set_reference(measure)
+        if self._reference is None or self._moved(measure):
+            return self._change(step, measure, rank, refined=False)
+        basis = self._refinement(measure)
+        return None if basis is None else self._change(step, basis, rank, refined=True)
+
+    def _refinement(self, measure: _Measure) -> _Measure | None:
+        """No rank's speed moved by the factor. Shortly after a change, the steps at the new split
+        when they show it uneven (a rank's speed per sample need not be the same at another share);
+        later, the window when it shows a slow drift, or the steps at this split when, together,
+        they show it uneven more surely than one window could. None: the split holds."""
+        steady = _Measure.of(self._steady)
+        if self._refines:
+            if not self._uneven(steady, REFINE_TOLERANCE):
+                self._refines = 0
+                self._settled(measure.speeds)
+                return None
+            self._refines -= 1
+            return steady
+        if self._uneven(measure, DRIFT_TOLERANCE):
+            # a drift below the factor needs no haste, and one 8-step window on a shared machine
+            # can be 10% off by itself: the same rank must stay the slow one for DRIFT_STEPS
+            # more steps (windows sliding over 2 × MEASURE_STEPS steps)
+            slowest = self._slowest(measure.speeds)
+            self._drift = self._drift + 1 if slowest == self._drift_rank else 1
+            self._drift_rank = slowest
+            if self._drift < DRIFT_STEPS:
+                return None
+            self._refines = REFINE_WINDOWS  # measured at the old shares: refined as after a change
+            return measure
+        if self._steady[0, 5] >= 2 * MEASURE_STEPS and self._uneven(steady, DRIFT_TOLERANCE):
+            self._refines = REFINE_WINDOWS
+            return steady
+        self._drift = 0
+        self._settled(measure.speeds)
+        return None
+
+    def _set_reference(self, measure: _Measure) -> None:
+        self._reference = _fractions(measure.speeds)
+        self._reference_variances = _fraction_variances(measure.speeds, measure.variances)
+        self._rebase = False
+
+    def _change(self, step: int, measure: _Measure, rank: int, refined: bool) -> dict[str, Any] | None:
+        """Split by the measured speeds (corrected by the last probe unless they moved by the factor)."""
+        first = self._reference is None
         if not refined:
             self.corrections = [1.0] * self.world_size  # a new situation: what a probe found no longer holds
+            self._bounds = self._no_bounds()
             self._refines = REFINE_WINDOWS
-        self._probe_due = True
-        self._reference = fractions
+        self._set_reference(measure)
         self._window.clear()
         self._drift = 0
-        split = split_batch(self.global_micro_batch, self._corrected(speeds))
+        self._learn(measure)
+        split = self._target(measure)
         if split == self.split:
+            # even within what the measurement can tell, or no whole split lies within the bounds
+            self._refines = 0
+            self._probe_due = self._probe_due or first or not refined
             return None
+        self._probe_due = True
+        self._rebase = True
+        self._steady.zero_()
         self.split = split
+        speeds = measure.speeds
         change = {"step": step, "speeds": [round(s, 3) for s in speeds], "split": split, "refined": refined}
         self.changes.append(change)
         if rank == 0:
             log.info("balance at step %d%s: samples/s per rank %s -> micro-batches %s", step,
                      " (refined)" if refined else "", ", ".join(f"{s:.1f}" for s in speeds), split)  # fmt: skip
         return change
+
+    def _no_bounds(self) -> list[Bounds]:
+        return [(0.0, self.global_micro_batch + 1.0)] * self.world_size
+
+    def _learn(self, measure: _Measure) -> None:
+        """Narrow each rank's bounds on its even share by the split in use: a rank whose compute took
+        significantly longer than an even split's has its even share below its share now, one that
+        took significantly less above it. The split then stays within what every split measured so
+        far has shown, and converges where a rank's time is not in proportion to its share (a fixed
+        cost per step, a CPU quota's periods), which would otherwise swing the split from one side
+        of even to the other. A bound that contradicts the new one is older, and is dropped."""
+        corrected = self._corrected(measure.speeds)
+        even = self.global_micro_batch / max(math.fsum(corrected), 1e-12)
+        variances = _fraction_variances(corrected, measure.variances)
+        for r, (time, variance) in enumerate(zip(self._times(measure.speeds), variances, strict=True)):
+            low, high = self._bounds[r]
+            gap, margin = math.log(max(time, 1e-12) / even), Z * math.sqrt(variance)
+            if gap - margin > 0:
+                low, high = (low if low < self.split[r] else 0.0), self.split[r]
+            elif gap + margin < 0:
+                low, high = self.split[r], (high if high > self.split[r] else self.global_micro_batch + 1.0)
+            self._bounds[r] = (low, high)
+
+    def _target(self, measure: _Measure) -> list[int]:
+        """The split the speeds give, each taken one standard error nearer to the speed that would
+        make the split in use even (never further from it than the measurement supports: a noisy
+        measure moves the split less), and each rank's share within its bounds (their middle where the speeds lead out of
+        them); the split in use where the shares would still fall outside."""
+        corrected = self._corrected(measure.speeds)
+        total = math.fsum(corrected)
+        speeds = []
+        for n, speed, variance in zip(self.split, corrected, measure.variances, strict=True):
+            width = math.exp(math.sqrt(variance))
+            speeds.append(min(max(n / self.global_micro_batch * total, speed / width), speed * width))
+        shares = [self.global_micro_batch * s / math.fsum(speeds) for s in speeds]
+        shares = [
+            x if low < x < high else (low + high) / 2
+            for x, (low, high) in zip(shares, self._bounds, strict=True)
+        ]
+        split = split_batch(self.global_micro_batch, shares)
+        if any(not low < n < high for n, (low, high) in zip(split, self._bounds, strict=True)):
+            return list(self.split)
+        return split
 
     def _settled(self, speeds: list[float]) -> None:
         """The split holds still: probe its neighbours if no probe has since the last change."""
@@ -306,7 +390,13 @@ class Balancer:
         self._next_comparison(self.split, self.split, -1, 0, speeds)
 
     def _next_comparison(
-        self, start: list[int], base: list[int], direction: int, kept: int, speeds: list[float]
+        self,
+        start: list[int],
+        base: list[int],
+        direction: int,
+        kept: int,
+        speeds: list[float],
+        unsure: bool = False,
     ) -> bool:
         """Begin comparing ``base`` with its neighbour in ``direction``; False when it has none."""
         slow = min(range(self.world_size), key=lambda r: speeds[r])
@@ -317,73 +407,89 @@ class Balancer:
         candidate[fast] -= direction * delta
         if slow == fast or min(candidate) < 1:
             return False
-        self._probe = _Probe(start=start, base=base, candidate=candidate, direction=direction, kept=kept)
+        self._probe = _Probe(start, base, candidate, direction, kept, unsure)
         self.split = candidate  # the candidate's turn first
+        self._steady.zero_()
         return True
 
     def _probe_step(self, step: int, both: torch.Tensor, rank: int) -> dict[str, Any] | None:
         """One step of a probe: add it to the turn; at a turn's end, switch splits or decide."""
         probe = self._probe
         assert probe is not None
-        probe.turn = both if probe.turn is None else probe.turn + both
-        probe.steps += 1
-        if probe.steps < PROBE_STEPS:
+        candidate = probe.turns % 2 == 0
+        probe.turn.append(both)
+        probe.walls[candidate].append(float(both[:, 2].max()))  # the step waits for the slowest rank
+        if len(probe.turn) < PROBE_STEPS:
             return None
-        turn, candidate = probe.turn, probe.turns % 2 == 0
-        probe.turn, probe.steps = None, 0
+        turn, probe.turn = probe.turn, []
         probe.turns += 1
-        probe.wall[candidate] += float(turn[:, 2].max())
-        probe.totals[candidate] = turn if candidate not in probe.totals else probe.totals[candidate] + turn
-        speeds = _speeds(turn)
-        fractions = _fractions(speeds)
-        if self._reference is not None and self._moved(fractions):
+        probe.totals[candidate].extend(turn)
+        measure = _Measure.of_rows(turn)
+        if self._reference is not None and self._moved(measure):
             self._probe = None  # a rank's speed changed by the factor: split again at once
-            return self._change(step, speeds, fractions, rank, refined=False)
+            return self._change(step, measure, rank, refined=False)
         if probe.turns < 2 * PROBE_ROUNDS:
             self.split = probe.base if candidate else probe.candidate
             return None
-        rates = {c: PROBE_ROUNDS * PROBE_STEPS / max(probe.wall[c], 1e-12) for c in (False, True)}
+        # the candidate is kept when its steps ran faster than the base's by the margin, with
+        # confidence: a neighbour that only seems faster on a noisy machine is not worth a move
+        base, faster = spread(probe.walls[False]), spread(probe.walls[True])
+        count = len(probe.walls[False])
+        gain = base[0] / max(faster[0], 1e-12)
+        variance = log_variance_of_mean(*base, count) + log_variance_of_mean(*faster, count)
         if rank == 0:
-            log.debug("balance probe at step %d: steps/s %.3f at %s, %.3f at %s", step,
-                      rates[False], probe.base, rates[True], probe.candidate)  # fmt: skip
+            log.debug("balance probe at step %d: steps %.3f× faster at %s than at %s", step,
+                      gain, probe.candidate, probe.base)  # fmt: skip
         self._probe = None
-        if rates[True] > rates[False] * (1 + PROBE_MARGIN):
+        if lower_bound(gain, variance) > 1 + PROBE_MARGIN:
             kept = probe.kept + 1
             if kept < PROBE_MOVES and self._next_comparison(
-                probe.start, probe.candidate, probe.direction, kept, speeds
+                probe.start, probe.candidate, probe.direction, kept, measure.speeds
             ):
                 return None
             # the most moves one probe makes: another probe continues from here after a window
             self._probe_due = True
             return self._probed(step, probe.start, probe.candidate, probe.totals[True], rank)
+        # the base is even by the steps' time only where its neighbours ran slower, with confidence
+        unsure = probe.unsure or lower_bound(1 / gain, variance) <= 1
         if (
             probe.kept == 0
             and probe.direction < 0
-            and self._next_comparison(probe.start, probe.base, 1, 0, speeds)
+            and self._next_comparison(probe.start, probe.base, 1, 0, measure.speeds, unsure)
         ):
             return None
-        return self._probed(step, probe.start, probe.base, probe.totals[False], rank)
+        return self._probed(step, probe.start, probe.base, probe.totals[False], rank, even=not unsure)
 
     def _probed(
-        self, step: int, start: list[int], split: list[int], measured: torch.Tensor, rank: int
+        self,
+        step: int,
+        start: list[int],
+        split: list[int],
+        rows: list[torch.Tensor],
+        rank: int,
+        even: bool = True,
     ) -> dict[str, Any] | None:
         """A probe's end: ``split`` stays, and it becomes the even split of the speeds measured at
-        it during the probe (``measured``: the sums of its turns). The later checks look for a
-        change from those speeds: what a rank's timer reports at a share need not be what that
-        share costs the step (its side of the all-reduce, a quota's periods), and the probe has
-        found by the steps' time what the timers would not."""
+        it during the probe (``rows``: the steps of its turns). The later checks look for a change
+        from those speeds: what a rank's timer reports at a share need not be what that share costs
+        the step (its side of the all-reduce, a quota's periods), and the probe has found by the
+        steps' time what the timers would not."""
         self.split = split
-        speeds = _speeds(measured)
-        self._reference = _fractions(speeds)
-        total = math.fsum(speeds)
-        # corrected speeds proportional to the split: the drift check finds it even
-        self.corrections = [
-            n / self.global_micro_batch * total / max(s, 1e-12) for n, s in zip(split, speeds, strict=True)
-        ]
+        measure = _Measure.of_rows(rows)
+        self._set_reference(measure)
+        self._steady = _Measure.sums(torch.stack(rows))
+        if even:  # else the steps could not tell: the measured speeds keep their say
+            self._bounds = self._no_bounds()
+            total = math.fsum(measure.speeds)
+            # corrected speeds proportional to the split: the drift check finds it even
+            self.corrections = [
+                n / self.global_micro_batch * total / max(s, 1e-12)
+                for n, s in zip(split, measure.speeds, strict=True)
+            ]
         if split == start:
             return None
-        change = {"step": step, "speeds": [round(s, 3) for s in speeds], "split": split, "refined": False,
-                  "probed": True}  # fmt: skip
+        change = {"step": step, "speeds": [round(s, 3) for s in measure.speeds], "split": split,
+                  "refined": False, "probed": True}  # fmt: skip
         self.changes.append(change)
         if rank == 0:
             log.info("balance at step %d (probed): micro-batches %s ran faster than %s", step, split, start)
@@ -401,18 +507,35 @@ class Balancer:
         times = self._times(speeds)
         return times.index(max(times))
 
-    def _uneven(self, speeds: list[float], tolerance: float) -> bool:
-        """Whether, at the split in use and the ``speeds`` (samples/s) measured at it, the slowest
-        rank's compute took more than ``tolerance`` longer than an even split's would. A criterion
-        in time, not in samples: a small move of a slow rank's small share can be a large part of
-        its time."""
-        even = self.global_micro_batch / max(math.fsum(self._corrected(speeds)), 1e-12)
-        return max(self._times(speeds)) > even * (1 + tolerance)
+    def _uneven(self, measure: _Measure, tolerance: float) -> bool:
+        """Whether, at the split in use and the speeds measured at it, the slowest rank's compute
+        took more than ``tolerance`` longer than an even split's would, with confidence (``Z``
+        standard errors of the slowest rank's share of the speed). A criterion in time, not in
+        samples: a small move of a slow rank's small share can be a large part of its time."""
+        corrected = self._corrected(measure.speeds)
+        even = self.global_micro_batch / max(math.fsum(corrected), 1e-12)
+        slowest = self._slowest(measure.speeds)
+        variance = _fraction_variances(corrected, measure.variances)[slowest]
+        return lower_bound(self._times(measure.speeds)[slowest] / even, variance) > 1 + tolerance
 
-    def _moved(self, fractions: list[float]) -> bool:
-        assert self._reference is not None
+    def _moved(self, measure: _Measure, reference: _Measure | None = None) -> bool:
+        """Whether a rank's share of the total speed moved from the reference (or ``reference``) by
+        more than the factor, with confidence (``Z`` standard errors of both measurements)."""
+        fractions, variances = (
+            _fractions(measure.speeds),
+            _fraction_variances(measure.speeds, measure.variances),
+        )
+        if reference is not None:
+            before = _fractions(reference.speeds)
+            spreads = _fraction_variances(reference.speeds, reference.variances)
+        else:
+            assert self._reference is not None
+            before, spreads = self._reference, self._reference_variances
         limit = math.log(self.rebalance_factor)
-        return any(abs(math.log(f / r)) > limit for f, r in zip(fractions, self._reference, strict=True))
+        return any(
+            abs(math.log(f / r)) - Z * math.sqrt(v + w) > limit
+            for f, r, v, w in zip(fractions, before, variances, spreads, strict=True)
+        )
 
     def close(self) -> None:
         """Take the timing hooks off the model."""
@@ -429,13 +552,15 @@ class Balancer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """With ``auto``, continue with the saved split when it fits this job (the same global
-        micro-batch and world size); fixed weights always give the config's split."""
+        micro-batch and world size); fixed weights always give the config's split. The resumed job
+        measures its own reference at that split (another machine, another load)."""
         split = [int(n) for n in state["split"]]
         if self.auto and len(split) == self.world_size and sum(split) == self.global_micro_batch:
             self.split = split
             self._reference = state["reference"]
             self.corrections = [float(c) for c in state.get("corrections", [1.0] * self.world_size)]
             self._probe_due = True
+            self._rebase = True
 
 
 def _fractions(speeds: list[float]) -> list[float]:
@@ -444,6 +569,12 @@ def _fractions(speeds: list[float]) -> list[float]:
     return [s / total for s in speeds]
 
 
-def _speeds(totals: torch.Tensor) -> list[float]:
-    """Samples per second of compute, per rank, from summed (compute seconds, samples, wall) rows."""
-    return [float(n) / max(float(t), 1e-12) for t, n in totals[:, :2].tolist()]
+def _fraction_variances(speeds: list[float], variances: list[float]) -> list[float]:
+    """The variance of the log of each rank's share of the total speed, from the variances of the
+    speeds' logs (independent ranks): d log fᵣ = (1 − fᵣ) d log sᵣ − Σⱼ≠ᵣ fⱼ d log sⱼ."""
+    fractions = _fractions(speeds)
+    return [
+        (1 - fractions[r]) ** 2 * variances[r]
+        + math.fsum(f * f * v for j, (f, v) in enumerate(zip(fractions, variances, strict=True)) if j != r)
+        for r in range(len(speeds))
+    ]

@@ -11,28 +11,45 @@ comm       the rest of backward: the wait for the other ranks' gradients (DDP's 
 optimizer  ``engine.step()``
 
 Every ``window`` optimizer steps the ranks sum their phases in one small all-reduce at the step
-boundary (never inside a phase), and each rank's score is its own work (every phase but comm)
-over the median of the other ranks' work. A rank whose score stays at or above ``factor`` for
-three windows in a row is a straggler: rank 0 warns once, naming its rank and host, until it recovers.
+boundary (never inside a phase), with each rank's number of steps and the spread of its per-step
+work (every phase but comm) about its mean. A rank's score is its work over the median of the other
+ranks' work. A rank is a straggler when its score has stayed at or above ``factor`` for at least
+``PERSISTENT_WINDOWS`` windows in a row (persistence) and the lower confidence bound of its score
+over those windows, ``Z`` standard errors below it, is at or above ``factor`` too (significance):
+the standard error comes from how much the steps of the rank and of the median one vary
+(``timing.lower_bound``), and shrinks as the run of windows grows, so a rank that stays slow is
+named however noisy its steps, and a balanced rank whose mean sits above the others' for a while on
+a shared machine, with steps that vary as much, is not. Rank 0 warns once, naming its rank and
+host, until it recovers.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-import statistics
-from collections.abc import Callable
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from spikingsail.engine.timing import Clock, LastGradient
+from spikingsail.engine.timing import Clock, LastGradient, log_variance_of_mean, lower_bound, spread
 
 log = logging.getLogger(__name__)
 
 PHASES = ("data", "forward", "backward", "comm", "optimizer")
 _WORK = [i for i, phase in enumerate(PHASES) if phase != "comm"]
+_COMM = PHASES.index("comm")
+STEPS, DEVIATIONS = len(PHASES), len(PHASES) + 1
+"""Columns of the window's all-reduce after the phases' sums: steps, and the sum of squared deviations
+of the rank's per-step work from its mean."""
 PERSISTENT_WINDOWS = 3
+HISTORY_WINDOWS = 16
+"""Windows over which a rank's scores' spread from window to window is estimated."""
+Log = tuple[float, float]
+"""A score's log and that log's variance."""
 
 
 class StragglerWatch:
@@ -44,9 +61,13 @@ class StragglerWatch:
         self.window = window
         self.factor = factor
         self._spans: list[tuple[int, Any, Any]] = []  # (phase, start, end), resolved at the window's end
+        self._ends: list[int] = []  # per step of the window: the end of its spans in _spans
         self._last_end: Any = None
         self._steps = 0
-        self._above = [0] * world_size
+        self._history = [deque[float](maxlen=HISTORY_WINDOWS) for _ in range(world_size)]  # log scores
+        self._streaks = [
+            (0, 0.0, 0.0)
+        ] * world_size  # per rank: windows in a row at the factor, Σ log score, Σ variance
         self._warned: set[int] = set()
         self.hosts: list[str] | None = None
         self.last_gradient = LastGradient(model, self.clock)
@@ -95,24 +116,17 @@ class StragglerWatch:
         """At an optimizer-step boundary, on every rank alike: at a window's end, the ranks'
         breakdown (seconds per phase, summed over the window) and scores; None in between."""
         self._steps += 1
+        self._ends.append(len(self._spans))
         if self._steps % self.window:
             return None
-        totals = [0.0] * len(PHASES)
-        for phase, start, end in self._spans:
-            totals[phase] += self.clock.seconds(start, end)
-        self._spans.clear()
-        mine = torch.zeros(self.world_size, len(PHASES), dtype=torch.float64)
-        mine[rank] = torch.tensor(totals, dtype=torch.float64)
+        mine = torch.zeros(self.world_size, len(PHASES) + 2, dtype=torch.float64)
+        mine[rank] = torch.tensor(self._resolve(), dtype=torch.float64)
         if self.hosts is None:
             self.hosts = hosts()  # a collective: every rank asks at the same window
         times = all_reduce_sum(mine)
         self._last_end = self.clock.mark()  # the all-reduce's wait for the slowest rank is no data wait
-        work = times[:, _WORK].sum(1).tolist()
-        scores = []
-        for r, own in enumerate(work):
-            others = statistics.median(work[:r] + work[r + 1 :])
-            scores.append(round(own / others, 3) if others > 0 else 1.0)
-        self._judge(step, rank, scores, times)
+        scores, logs = judge_window(times)
+        self._judge(step, rank, scores, logs, times)
         return {
             "window": self.window,
             "scores": scores,
@@ -122,13 +136,43 @@ class StragglerWatch:
             },
         }
 
-    def _judge(self, step: int, rank: int, scores: list[float], times: torch.Tensor) -> None:
-        for r, score in enumerate(scores):
-            self._above[r] = self._above[r] + 1 if score >= self.factor else 0
-            if self._above[r] < PERSISTENT_WINDOWS:
+    def _resolve(self) -> list[float]:
+        """This rank's row of the window: seconds per phase, steps, and the spread of its per-step work."""
+        totals = [0.0] * len(PHASES)
+        work: list[float] = []
+        begin = 0
+        for end in self._ends:
+            own = 0.0
+            for phase, start, stop in self._spans[begin:end]:
+                seconds = self.clock.seconds(start, stop)
+                totals[phase] += seconds
+                if phase != _COMM:
+                    own += seconds
+            work.append(own)
+            begin = end
+        self._spans.clear()
+        self._ends.clear()
+        return [*totals, float(len(work)), spread(work)[1]]
+
+    def _judge(self, step: int, rank: int, scores: list[float], logs: list[Log], times: torch.Tensor) -> None:
+        for history, (log_ratio, _) in zip(self._history, logs, strict=True):
+            history.append(log_ratio)
+        # the ranks share the machine and its episodes of load: its windows' spread is the ranks' mean
+        machine = math.fsum(map(between_windows, self._history)) / self.world_size
+        for r, (log_ratio, within) in enumerate(logs):
+            if scores[r] < self.factor:
+                self._streaks[r] = (0, 0.0, 0.0)
                 self._warned.discard(r)
                 continue
-            if r in self._warned or rank != 0:
+            # a window's error: the larger of its steps' and of the run's windows' (load comes in
+            # episodes longer than a step, which the steps of one window cannot show)
+            variance = max(within, between_windows(self._history[r]), machine)
+            windows, total, variances = self._streaks[r]
+            windows, total, variances = windows + 1, total + log_ratio, variances + variance
+            self._streaks[r] = (windows, total, variances)
+            # the windows' mean log score, whose variance is the windows' over windows²
+            bound = lower_bound(math.exp(total / windows), variances / windows**2)
+            if windows < PERSISTENT_WINDOWS or bound < self.factor or r in self._warned or rank != 0:
                 continue
             self._warned.add(r)
             assert self.hosts is not None
@@ -137,12 +181,48 @@ class StragglerWatch:
             }
             log.warning(
                 "straggler: rank %d on %s has taken %.2f× the other ranks' (median) time per step for the last %d "
-                "steps (to step %d; data %.1f ms, forward %.1f ms, backward %.1f ms, optimizer %.1f ms); "
-                "every rank waits for it at each all-reduce — check that host's load, GPU clocks and "
-                "data loading, or give it a smaller share with sail.balance",
-                r, self.hosts[r], score, PERSISTENT_WINDOWS * self.window, step, per_step["data"],
-                per_step["forward"], per_step["backward"], per_step["optimizer"],
+                "steps (to step %d; at least %.2f× given how much its steps vary; data %.1f ms, forward %.1f ms, "
+                "backward %.1f ms, optimizer %.1f ms); every rank waits for it at each all-reduce — check that "
+                "host's load, GPU clocks and data loading, or give it a smaller share with sail.balance",
+                r, self.hosts[r], math.exp(total / windows), windows * self.window, step, bound,
+                per_step["data"], per_step["forward"], per_step["backward"], per_step["optimizer"],
             )  # fmt: skip
 
     def close(self) -> None:
         self.last_gradient.remove()
+
+
+def judge_window(times: torch.Tensor) -> tuple[list[float], list[Log]]:
+    """Each rank's score (its work over the median of the other ranks'), and the score's log with
+    that log's variance, from a window's all-reduced rows (phases, steps, deviations). A window of one
+    step has no spread: its variance is 0, and the score is taken as it is."""
+    work = times[:, _WORK].sum(1).tolist()
+    spreads = [
+        log_variance_of_mean(w, d, n)
+        for w, d, n in zip(work, times[:, DEVIATIONS].tolist(), times[:, STEPS].tolist(), strict=True)
+    ]
+    scores: list[float] = []
+    logs: list[Log] = []
+    for r, own in enumerate(work):
+        others = sorted((w, v) for i, (w, v) in enumerate(zip(work, spreads, strict=True)) if i != r)
+        middle = others[(len(others) - 1) // 2 : len(others) // 2 + 1]  # one rank, or the two middle ones
+        median = math.fsum(w for w, _ in middle) / len(middle)
+        if median <= 0 or own <= 0:
+            scores.append(1.0)
+            logs.append((0.0, 0.0))
+            continue
+        # the variance of the median's log: of the middle rank's mean, or of the two middle ones' average
+        median_variance = math.fsum(v * w * w for w, v in middle) / len(middle) ** 2 / median**2
+        scores.append(round(own / median, 3))
+        logs.append((math.log(own / median), spreads[r] + median_variance))
+    return scores, logs
+
+
+def between_windows(logs: Sequence[float]) -> float:
+    """The variance of a rank's log score from one window to the next, from successive differences
+    (half their mean square): a level that shifts once, as when a rank turns slow for good, adds one
+    difference, where alternating episodes of load add one at every turn."""
+    values = list(logs)
+    if len(values) < 2:
+        return 0.0
+    return math.fsum((b - a) ** 2 for a, b in itertools.pairwise(values)) / (2 * (len(values) - 1))

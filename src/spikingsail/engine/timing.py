@@ -1,8 +1,16 @@
 """Timestamps of this rank's own work: a clock that is right on a GPU, and the moment a backward's
-last gradient is ready (what follows it is the wait for the other ranks)."""
+last gradient is ready (what follows it is the wait for the other ranks); and how much a ratio of two
+ranks' mean step times can be trusted, given how much their steps vary.
+
+The straggler alarm and ``balance: auto`` judge ranks by these ratios. On a shared machine a rank's
+step time varies from step to step (other processes, a CPU quota's periods, the page cache), and a
+window's mean carries that spread: a difference counts only where it is larger than ``Z`` standard
+errors of the ratio, estimated from the steps themselves.
+"""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -62,3 +70,71 @@ class LastGradient:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+class ComputeTimer:
+    """This rank's compute time between two optimizer steps: the step's time less the time it
+    waited for the other ranks at the end of backward (where DDP and Horovod finish their
+    all-reduce), and the samples it trained on.
+
+    The wait is what backward takes after this rank's last gradient (``LastGradient``). Time spent
+    in the engine's own collective at the step boundary is outside the window too.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.clock = Clock(device.type == "cuda")
+        self.samples = 0
+        self.last_gradient = LastGradient(model, self.clock)
+        self._waits: list[tuple[Any, Any]] = []
+        self._start = self.clock.mark()
+
+    def begin_backward(self) -> None:
+        self.last_gradient.begin()
+
+    def end_backward(self) -> None:
+        last = self.last_gradient.end()
+        if last is not None:
+            self._waits.append((last, self.clock.mark()))
+
+    def take(self) -> tuple[float, int, float]:
+        """(compute seconds, samples, wall seconds) since the last ``restart``."""
+        step = self.clock.seconds(self._start, self.clock.mark())
+        waited = sum(self.clock.seconds(a, b) for a, b in self._waits)
+        out = (max(step - waited, 1e-9), self.samples, step)
+        self._waits.clear()
+        self.samples = 0
+        return out
+
+    def restart(self) -> None:
+        self._start = self.clock.mark()
+
+    def remove(self) -> None:
+        self.last_gradient.remove()
+
+
+Z = 3.0
+"""Standard errors by which a measured ratio must pass a threshold to count (one-sided: about 1 in
+700 for a normal mean; a window's steps are not independent draws, so wider than the textbook 2)."""
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    """(sum, sum of squared deviations from the mean) of one rank's per-step values: what the ranks
+    all-reduce, so that every rank can tell each rank's mean and its standard error."""
+    total = math.fsum(values)
+    mean = total / len(values) if values else 0.0
+    return total, math.fsum((v - mean) ** 2 for v in values)
+
+
+def log_variance_of_mean(total: float, deviations: float, count: float) -> float:
+    """The variance of the log of a mean of ``count`` values (their ``spread``), by the delta method:
+    (standard error ÷ mean)². 0 where one value gives no spread to judge by."""
+    if count < 2 or total <= 0:
+        return 0.0
+    variance_of_mean = deviations / (count - 1) / count
+    return variance_of_mean / (total / count) ** 2
+
+
+def lower_bound(ratio: float, log_variance: float, z: float = Z) -> float:
+    """The ratio's lower confidence bound: ``z`` standard errors below it, in log space (a ratio's
+    error is multiplicative)."""
+    return ratio * math.exp(-z * math.sqrt(max(log_variance, 0.0)))

@@ -30,7 +30,8 @@ only=""
 for mark in "${marks[@]+"${marks[@]}"}"; do only+="$mark and "; done
 status=0 selected=0
 run() {  # run LABEL MARKS: pytest on the tests the marks select, in a scratch directory of its own
-  .venv/bin/pytest -p no:cacheprovider --basetemp "$scratch/$1" -m "$only$2" "${rest[@]+"${rest[@]}"}"
+  .venv/bin/pytest -p no:cacheprovider --basetemp "$scratch/$1" --junitxml "$scratch/$1.xml" \
+    -m "$only$2" "${rest[@]+"${rest[@]}"}"
 }
 outcome() {  # the worst status so far; 5 (no test selected) only where no run selected any
   if [ "$1" = 5 ]; then return 0; fi
@@ -38,6 +39,11 @@ outcome() {  # the worst status so far; 5 (no test selected) only where no run s
   if [ "$1" -gt "$status" ]; then status=$1; fi
 }
 scratch=$(mktemp -d)
+# What runs and is mounted now: a process, network namespace or mount the tests leave fails the run.
+SAIL_SUITE_MARK=$(.venv/bin/python -c "import secrets; print(secrets.token_hex(8))")
+export SAIL_SUITE_MARK
+.venv/bin/python scripts/suite_check.py snapshot "$scratch/before.json"
+started=$(date +%s)
 run cluster "cluster and not alone" > "$scratch/cluster.log" 2>&1 &
 cluster=$!
 trap 'kill "$cluster" 2>/dev/null || true; rm -rf "$scratch" 2>/dev/null || true' EXIT
@@ -46,5 +52,7 @@ code=0; wait "$cluster" || code=$?; outcome "$code"
 echo "---- the namespace cluster's tests, which ran beside the others ----"
 cat "$scratch/cluster.log"
 code=0; run alone "alone" || code=$?; outcome "$code"
+.venv/bin/python scripts/suite_check.py slowest "$(($(date +%s) - started))" "$scratch"/{rest,cluster,alone}.xml
+code=0; .venv/bin/python scripts/suite_check.py leftovers "$scratch/before.json" || code=$?; outcome "$code"
 if [ "$selected" = 0 ]; then exit 5; fi
 exit "$status"

@@ -7,17 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from spikingsail.engine.balance import (
-    DRIFT_STEPS,
-    MEASURE_STEPS,
-    PROBE_FRACTION,
-    PROBE_MARGIN,
-    PROBE_ROUNDS,
-    PROBE_STEPS,
-    REFINE_WINDOWS,
-    WARMUP_STEPS,
-    Balancer,
-)
+from spikingsail.engine.balance import DRIFT_STEPS, MEASURE_STEPS, REFINE_WINDOWS, WARMUP_STEPS, Balancer
+from spikingsail.engine.split_search import PROBE_FRACTION, PROBE_MARGIN, PROBE_ROUNDS, PROBE_STEPS
 
 GLOBAL = 2048
 FIXED = (0.05, 0.02)

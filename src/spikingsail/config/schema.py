@@ -214,11 +214,11 @@ class SailSection:
     """Per-rank micro-batches for ranks of unequal speed: "off" (equal), "auto" (measured), a
     weight per rank, or {"host": weight}; each rank's share of every global micro-batch."""
     rebalance_factor: float = ranged(1.25, Range(1, FLOAT32_MAX, low_open=True, fix="e.g. 1.25"))
-    """With balance "auto": split again when a rank's share of the total speed moves by more than this factor."""
+    """With balance "auto": split again when a rank's share of the total speed moves by more than this factor (surely: by three standard errors)."""
     straggler_window: int = ranged(20, Range(0, INT64_MAX, integer=True, fix="e.g. 20, or 0 for off"))
     """Every this many optimizer steps the ranks compare their step-time breakdown (0 = off)."""
     straggler_factor: float = ranged(1.25, Range(1, FLOAT32_MAX, low_open=True, fix="e.g. 1.25"))
-    """A rank whose work per step is this many times the other ranks' (median) for three windows in a row is warned of."""
+    """A rank whose work per step stays this many times the other ranks' (median) for three windows or more, surely (the lower confidence bound too), is warned of."""
     hang_timeout_seconds: float = ranged(300.0, Range(0, FLOAT32_MAX, fix="e.g. 300, or 0 for off"))
     """When no rank makes progress for this long, report who holds the job up (stacks included) and end it (0 = off)."""
     trackers: tuple[Literal["jsonl", "tensorboard", "mlflow"], ...] = ()

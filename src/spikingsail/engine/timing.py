@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -138,3 +140,57 @@ def lower_bound(ratio: float, log_variance: float, z: float = Z) -> float:
     """The ratio's lower confidence bound: ``z`` standard errors below it, in log space (a ratio's
     error is multiplicative)."""
     return ratio * math.exp(-z * math.sqrt(max(log_variance, 0.0)))
+
+
+def fractions(speeds: list[float]) -> list[float]:
+    """Each rank's share of the total speed."""
+    total = math.fsum(speeds)
+    return [s / total for s in speeds]
+
+
+@dataclass
+class SpeedMeasure:
+    """Each rank's samples per second of compute over some steps, and the variance of its log."""
+
+    speeds: list[float]
+    variances: list[float]
+
+    @staticmethod
+    def sums(rows: torch.Tensor) -> torch.Tensor:
+        """Per rank, from per-step rows [..., rank, (compute seconds, samples, wall)]: what a measure
+        is made of, summed over the steps: Σ seconds, Σ samples, Σ seconds², Σ seconds × samples,
+        Σ samples², steps."""
+        c, n = rows[..., 0], rows[..., 1]
+        out = torch.stack([c, n, c * c, c * n, n * n, torch.ones_like(c)], -1)
+        return out if out.dim() == 2 else out.sum(0)
+
+    @staticmethod
+    def of(sums: torch.Tensor) -> SpeedMeasure:
+        """The throughput over the steps (a rank that stalls now and then, a throttled or shared
+        device, is as slow as its stalls make it, which a median of steps would hide), and the
+        variance of its log as a ratio estimator's: the steps' residuals about it, Σ (nᵢ − R cᵢ)²
+        ÷ (k − 1), over k · (mean seconds × R)²."""
+        speeds, variances = [], []
+        for seconds, samples, c2, cn, n2, k in sums.tolist():
+            speed = samples / max(seconds, 1e-12)
+            speeds.append(speed)
+            residuals = max(n2 - 2 * speed * cn + speed * speed * c2, 0.0)
+            ok = k >= 2 and speed > 0 and seconds > 0
+            variances.append(residuals / (k - 1) / k / (seconds / k * speed) ** 2 if ok else 0.0)
+        return SpeedMeasure(speeds, variances)
+
+    @staticmethod
+    def of_rows(rows: Sequence[torch.Tensor]) -> SpeedMeasure:
+        return SpeedMeasure.of(SpeedMeasure.sums(torch.stack(list(rows))))
+
+    def fraction_variances(self) -> list[float]:
+        """The variance of the log of each rank's share of the total speed (independent ranks):
+        d log fᵣ = (1 − fᵣ) d log sᵣ − Σⱼ≠ᵣ fⱼ d log sⱼ."""
+        shares = fractions(self.speeds)
+        return [
+            (1 - shares[r]) ** 2 * self.variances[r]
+            + math.fsum(
+                f * f * v for j, (f, v) in enumerate(zip(shares, self.variances, strict=True)) if j != r
+            )
+            for r in range(len(shares))
+        ]

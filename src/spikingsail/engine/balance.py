@@ -49,6 +49,7 @@ from spikingsail.engine.split_search import PROBE_MOVES, Probe, ShareBounds
 from spikingsail.engine.timing import (
     ComputeTimer,
     SpeedMeasure,
+    Step,
     Z,
     fractions,
     lower_bound,
@@ -102,10 +103,10 @@ class Balancer:
         )
         self.timer: ComputeTimer | None = None
         self._steps = 0
-        self._window: deque[torch.Tensor] = deque(
+        self._window: deque[Step] = deque(
             maxlen=MEASURE_STEPS
         )  # per step: [rank, (compute seconds, samples, wall seconds)]
-        self._steady = torch.zeros(world_size, 6, dtype=torch.float64)
+        self._steady = SpeedMeasure.sums([], [[0.0] * 6 for _ in range(world_size)])
         """``SpeedMeasure.sums`` of every step at the split in use since it took effect (outside probes)."""
         self._reference: list[float] | None = None  # the speed fractions measured at the split in use
         self._reference_variances = [0.0] * world_size  # the variances of their logs
@@ -171,12 +172,12 @@ class Balancer:
             return None
         mine = torch.zeros(self.world_size, 3, dtype=torch.float64)
         mine[rank] = torch.tensor([seconds, samples, wall], dtype=torch.float64)
-        both = all_reduce_sum(mine)
+        both = all_reduce_sum(mine).tolist()
         self.timer.restart()  # after the collective: its wait for the slowest rank is not compute
         if self._probe is not None:
             return self._probe_step(step, both, rank)
         self._window.append(both)
-        self._steady += SpeedMeasure.sums(both)
+        SpeedMeasure.sums([both], self._steady)
         if len(self._window) < MEASURE_STEPS:
             return None
         return self._judge(step, rank)
@@ -184,12 +185,12 @@ class Balancer:
     def _judge(self, step: int, rank: int) -> dict[str, Any] | None:
         """With a full window: split again when a rank's speed moved by the factor, or when the
         split in use is uneven (``_refinement``)."""
-        measure = SpeedMeasure.of_rows(self._window)
+        measure = SpeedMeasure.of_steps(self._window)
         if self._rebase:  # the first window at a new split: what later windows are compared with,
             # unless a rank's speed changed by the factor within it (its halves tell)
             steps = list(self._window)
-            later = SpeedMeasure.of_rows(steps[MEASURE_STEPS // 2 :])
-            if self._moved(later, SpeedMeasure.of_rows(steps[: MEASURE_STEPS // 2])):
+            later = SpeedMeasure.of_steps(steps[MEASURE_STEPS // 2 :])
+            if self._moved(later, SpeedMeasure.of_steps(steps[: MEASURE_STEPS // 2])):
                 return self._change(step, later, rank, refined=False)
             self._set_reference(measure)
         if self._reference is None or self._moved(measure):
@@ -221,7 +222,7 @@ class Balancer:
                 return None
             self._refines = REFINE_WINDOWS  # measured at the old shares: refined as after a change
             return measure
-        if self._steady[0, 5] >= 2 * MEASURE_STEPS and self._uneven(steady, DRIFT_TOLERANCE):
+        if self._steady[0][5] >= 2 * MEASURE_STEPS and self._uneven(steady, DRIFT_TOLERANCE):
             self._refines = REFINE_WINDOWS
             return steady
         self._drift = 0
@@ -253,7 +254,7 @@ class Balancer:
             return None
         self._probe_due = True
         self._rebase = True
-        self._steady.zero_()
+        self._steady = [[0.0] * 6 for _ in range(self.world_size)]
         self.split = split
         speeds = measure.speeds
         change = {"step": step, "speeds": [round(s, 3) for s in speeds], "split": split, "refined": refined}
@@ -285,10 +286,10 @@ class Balancer:
         if probe is None:
             return False
         self._probe, self.split = probe, probe.split  # the candidate's turn first
-        self._steady.zero_()
+        self._steady = [[0.0] * 6 for _ in range(self.world_size)]
         return True
 
-    def _probe_step(self, step: int, both: torch.Tensor, rank: int) -> dict[str, Any] | None:
+    def _probe_step(self, step: int, both: Step, rank: int) -> dict[str, Any] | None:
         """One step of a probe: add it to the turn; at a turn's end, switch splits or decide."""
         probe = self._probe
         assert probe is not None
@@ -327,7 +328,7 @@ class Balancer:
         step: int,
         start: list[int],
         split: list[int],
-        rows: list[torch.Tensor],
+        rows: list[Step],
         rank: int,
         even: bool = True,
     ) -> dict[str, Any] | None:
@@ -337,9 +338,9 @@ class Balancer:
         the step (its side of the all-reduce, a quota's periods), and the probe has found by the
         steps' time what the timers would not."""
         self.split = split
-        measure = SpeedMeasure.of_rows(rows)
+        measure = SpeedMeasure.of_steps(rows)
         self._set_reference(measure)
-        self._steady = SpeedMeasure.sums(torch.stack(rows))
+        self._steady = SpeedMeasure.sums(rows)
         if even:  # else the steps could not tell: the measured speeds keep their say
             self._bounds.reset()
             total = math.fsum(measure.speeds)

@@ -25,10 +25,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from spikingsail.data.sampler import split_batch
-from spikingsail.engine.timing import SpeedMeasure, Z, log_variance_of_mean, lower_bound, spread
+from spikingsail.engine.timing import SpeedMeasure, Step, Z, log_variance_of_mean, lower_bound, spread
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +58,11 @@ class Probe:
     """An earlier comparison of this probe found no neighbour slower, with confidence."""
     turns: int = 0
     """Turns (of ``PROBE_STEPS`` steps) done in this comparison; even: the candidate's."""
-    turn: list[torch.Tensor] = field(default_factory=list)
+    turn: list[Step] = field(default_factory=list)
     """This turn's per-step all-reduced rows."""
     walls: dict[bool, list[float]] = field(default_factory=lambda: {False: [], True: []})
     """Every step's wall time (the slowest rank's) under the base (False) and the candidate (True)."""
-    totals: dict[bool, list[torch.Tensor]] = field(default_factory=lambda: {False: [], True: []})
+    totals: dict[bool, list[Step]] = field(default_factory=lambda: {False: [], True: []})
     """The per-step rows of the base's (False) and the candidate's (True) turns."""
 
     @staticmethod
@@ -96,17 +94,17 @@ class Probe:
     def done(self) -> bool:
         return self.turns >= 2 * PROBE_ROUNDS
 
-    def add(self, both: torch.Tensor) -> SpeedMeasure | None:
+    def add(self, both: Step) -> SpeedMeasure | None:
         """One step's all-reduced rows; at a turn's end, the speeds measured over the turn."""
         candidate = self.turns % 2 == 0
         self.turn.append(both)
-        self.walls[candidate].append(float(both[:, 2].max()))  # the step waits for the slowest rank
+        self.walls[candidate].append(max(row[2] for row in both))  # the step waits for the slowest rank
         if len(self.turn) < PROBE_STEPS:
             return None
         turn, self.turn = self.turn, []
         self.turns += 1
         self.totals[candidate].extend(turn)
-        return SpeedMeasure.of_rows(turn)
+        return SpeedMeasure.of_steps(turn)
 
     def verdict(self, step: int, rank: int) -> tuple[bool, bool]:
         """(the candidate ran faster by the margin, it ran slower), each with confidence: a

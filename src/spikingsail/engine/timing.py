@@ -148,6 +148,10 @@ def fractions(speeds: list[float]) -> list[float]:
     return [s / total for s in speeds]
 
 
+Step = list[list[float]]
+"""One optimizer step's all-reduced rows: per rank, (compute seconds, samples, wall seconds)."""
+
+
 @dataclass
 class SpeedMeasure:
     """Each rank's samples per second of compute over some steps, and the variance of its log."""
@@ -156,22 +160,25 @@ class SpeedMeasure:
     variances: list[float]
 
     @staticmethod
-    def sums(rows: torch.Tensor) -> torch.Tensor:
-        """Per rank, from per-step rows [..., rank, (compute seconds, samples, wall)]: what a measure
-        is made of, summed over the steps: Σ seconds, Σ samples, Σ seconds², Σ seconds × samples,
-        Σ samples², steps."""
-        c, n = rows[..., 0], rows[..., 1]
-        out = torch.stack([c, n, c * c, c * n, n * n, torch.ones_like(c)], -1)
-        return out if out.dim() == 2 else out.sum(0)
+    def sums(steps: Sequence[Step], out: list[list[float]] | None = None) -> list[list[float]]:
+        """Per rank, what a measure is made of, summed over ``steps`` (added to ``out``): Σ seconds,
+        Σ samples, Σ seconds², Σ seconds × samples, Σ samples², steps (plain floats: a handful a step)."""
+        if out is None:
+            out = [[0.0] * 6 for _ in steps[0]] if steps else []
+        for step in steps:
+            for total, (c, n, *_) in zip(out, step, strict=True):
+                for i, x in enumerate((c, n, c * c, c * n, n * n, 1.0)):
+                    total[i] += x
+        return out
 
     @staticmethod
-    def of(sums: torch.Tensor) -> SpeedMeasure:
+    def of(sums: list[list[float]]) -> SpeedMeasure:
         """The throughput over the steps (a rank that stalls now and then, a throttled or shared
         device, is as slow as its stalls make it, which a median of steps would hide), and the
         variance of its log as a ratio estimator's: the steps' residuals about it, Σ (nᵢ − R cᵢ)²
         ÷ (k − 1), over k · (mean seconds × R)²."""
         speeds, variances = [], []
-        for seconds, samples, c2, cn, n2, k in sums.tolist():
+        for seconds, samples, c2, cn, n2, k in sums:
             speed = samples / max(seconds, 1e-12)
             speeds.append(speed)
             residuals = max(n2 - 2 * speed * cn + speed * speed * c2, 0.0)
@@ -180,8 +187,8 @@ class SpeedMeasure:
         return SpeedMeasure(speeds, variances)
 
     @staticmethod
-    def of_rows(rows: Sequence[torch.Tensor]) -> SpeedMeasure:
-        return SpeedMeasure.of(SpeedMeasure.sums(torch.stack(list(rows))))
+    def of_steps(steps: Sequence[Step]) -> SpeedMeasure:
+        return SpeedMeasure.of(SpeedMeasure.sums(steps))
 
     def fraction_variances(self) -> list[float]:
         """The variance of the log of each rank's share of the total speed (independent ranks):

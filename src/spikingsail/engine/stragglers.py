@@ -15,12 +15,14 @@ boundary (never inside a phase), with each rank's number of steps and the spread
 work (every phase but comm) about its mean. A rank's score is its work over the median of the other
 ranks' work. A rank is a straggler when its score has stayed at or above ``factor`` for at least
 ``PERSISTENT_WINDOWS`` windows in a row (persistence) and the lower confidence bound of its score
-over those windows, ``Z`` standard errors below it, is at or above ``factor`` too (significance):
-the standard error comes from how much the steps of the rank and of the median one vary
-(``timing.lower_bound``), and shrinks as the run of windows grows, so a rank that stays slow is
-named however noisy its steps, and a balanced rank whose mean sits above the others' for a while on
-a shared machine, with steps that vary as much, is not. Rank 0 warns once, naming its rank and
-host, until it recovers.
+over those windows, ``Z`` standard errors below it, is at or above ``factor`` too (significance).
+A window's standard error is the larger of what the per-step spread of the rank's work and of the
+median rank's gives and what the scores' spread from one window to the next has been
+(``between_windows``: a shared machine's load comes in episodes of seconds, on one rank and then
+another, which one window's steps cannot show); over a run of windows it shrinks as the run grows.
+So a rank that stays slow is named however noisy its steps, and a balanced rank whose mean sits
+above the others' for a few windows, or whose steps stall now and then, is not. Rank 0 warns once,
+naming its rank and host, until it recovers.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Create (or reuse) the pinned virtual environment and install this checkout into it.
 #
-#   scripts/setup.sh              torch, spikingjelly and the tools (what the main job needs)
+#   scripts/setup.sh              the developer environment: torch, spikingjelly and the tools
+#   scripts/setup.sh --main       only what the main job needs (requirements/main.txt), installed
+#                                 with uv: scripts/main.sh; a complete developer environment is
+#                                 used instead when there is one (no second install)
 #   scripts/setup.sh --backends   also DeepSpeed and Horovod, with their compiled parts (the tests)
 #
 # The environment lives outside the clone, keyed by the hash of the requirements files, so a second
@@ -11,11 +14,62 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache=${SPIKINGSAIL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/spikingsail}
 python=${PYTHON:-python3}
-key=$( (cat "$root"/requirements/{dev,nodeps,sdist,backends}.txt "$root/scripts/build-horovod.sh"
-        "$python" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
+python_version=$("$python" -c 'import sys; print(sys.version)')
+key=$( (cat "$root"/requirements/{main,dev,nodeps,sdist,backends}.txt "$root/scripts/build-horovod.sh"
+        echo "$python_version") | sha256sum | cut -c1-16)
 venv="$cache/venv-$key"
+uv_pin=uv==0.13.9  # the lean environment's installer: it downloads and unpacks in parallel
 
-if [ ! -f "$venv/.complete" ]; then
+uv_sources() {  # uv reads no pip configuration: pip's indexes, find-links and constraints as uv flags
+  "$1" - <<'EOF'
+import ast, os, subprocess, sys
+flags = {"index-url": "--index-url", "extra-index-url": "--extra-index-url",
+         "find-links": "--find-links", "constraint": "--constraint"}
+found = {}
+config = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+for line in config.stdout.splitlines():
+    name, _, value = line.partition("=")
+    flag = flags.get(name.rpartition(".")[2])
+    for item in ast.literal_eval(value).split() if flag and value else ():
+        local = item.removeprefix("file://")
+        if "://" in local or os.path.exists(local):  # a configured local store this machine lacks: skipped
+            found.setdefault(flag, {}).setdefault(item, None)
+if "--index-url" in found:
+    found["--index-url"] = dict.fromkeys(list(found["--index-url"])[-1:])  # the last scope's, as in pip
+for flag, items in found.items():
+    for item in items:
+        print(flag, item, sep="\n")
+if "--extra-index-url" in found:  # pip takes the best version from all indexes; uv's default, the first's
+    print("--index-strategy", "unsafe-best-match", sep="\n")
+EOF
+}
+
+lean_environment() {  # requirements/main.txt alone into $venv, with uv (with pip where uv does not install)
+  echo "[setup] creating $venv with only what the main job needs (first run on this machine: about a minute)"
+  rm -rf "$venv"
+  mkdir -p "$cache"
+  "$python" -m venv "$venv"
+  local sources=() line
+  if "$venv/bin/python" -m pip install --quiet "$uv_pin"; then
+    while IFS= read -r line; do sources+=("$line"); done < <(uv_sources "$venv/bin/python")
+    if "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" ${sources[@]+"${sources[@]}"} \
+      -r "$root/requirements/main.txt"; then
+      return
+    fi
+    echo "[setup] uv failed (above); installing with pip instead"
+    rm -f "$venv/bin/uv"
+  fi
+  "$venv/bin/python" -m pip install --quiet -r "$root/requirements/main.txt"
+}
+
+lean=0
+if [ "${1:-}" = "--main" ] && [ ! -f "$venv/.complete" ]; then
+  venv="$cache/venv-main-$( (cat "$root/requirements/main.txt"; echo "$python_version") | sha256sum | cut -c1-16)"
+  if [ ! -f "$venv/.complete" ]; then
+    lean_environment
+    lean=1
+  fi
+elif [ ! -f "$venv/.complete" ]; then
   echo "[setup] creating $venv (first run on this machine: about 2 minutes)"
   rm -rf "$venv"
   mkdir -p "$cache"
@@ -69,6 +123,18 @@ if unreadable_cuda_archs(archs):
     --no-build-isolation --no-cache-dir --force-reinstall "$ds_pin"
   touch "$venv/.deepspeed-cuda-ops"
 fi
-"$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$root"
+if [ -x "$venv/bin/uv" ]; then  # the lean environment: uv installs this checkout in a second, pip in five
+  "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --no-deps --no-build-isolation -e "$root"
+else
+  "$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$root"
+fi
+if [ "$lean" = 1 ]; then
+  # uv writes no bytecode (pip compiles every file: much of its time). Write it once for what the
+  # main job's processes import, or each of them compiles torch's modules again on every run where
+  # PYTHONDONTWRITEBYTECODE is set.
+  env -u PYTHONDONTWRITEBYTECODE "$venv/bin/python" -c 'import torch.distributed.run
+import spikingsail.backends.ddp, spikingsail.cli.main, spikingsail.data.digits, spikingsail.engine.engine'
+  touch "$venv/.complete"
+fi
 ln -sfn "$venv" "$root/.venv"
 echo "[setup] ready: source $root/.venv/bin/activate"

@@ -1,0 +1,138 @@
+"""scripts/setup.sh: the main job's lean environment (requirements/main.txt, installed with uv) and the
+developer environment, each pin written once, the key of each environment covering what it is built
+from, and the developer environment reused by scripts/main.sh once it is complete."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+REQUIREMENTS = ROOT / "requirements"
+SETUP = ROOT / "scripts" / "setup.sh"
+
+
+def pins(path: Path) -> dict[str, str]:
+    """``name → version`` of a requirements file's ``name==version`` lines."""
+    found = {}
+    for line in path.read_text().splitlines():
+        match = re.match(r"^([A-Za-z0-9_.-]+)==(\S+)", line)
+        if match:
+            found[match[1].lower().replace("_", "-")] = match[2]
+    return found
+
+
+def test_the_main_jobs_pins_are_exact_and_written_once() -> None:
+    main = pins(REQUIREMENTS / "main.txt")
+    lines = [line for line in (REQUIREMENTS / "main.txt").read_text().splitlines() if line and line[0] != "#"]
+    assert len(main) == len(lines), f"every line of main.txt pins one version: {lines}"
+    assert "-r main.txt" in (REQUIREMENTS / "dev.txt").read_text().splitlines()
+    for other in sorted(REQUIREMENTS.glob("*.txt")):
+        if other.name != "main.txt":
+            twice = sorted(set(main) & set(pins(other)))
+            assert not twice, f"{other.name} pins {twice} again: main.txt holds them (dev.txt includes it)"
+
+
+def test_the_main_set_holds_the_packages_requirements_and_the_digits_data() -> None:
+    listed = re.search(r"^dependencies = \[(.*?)^\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S)
+    assert listed, "pyproject.toml lists no dependencies"
+    needed = {name.lower() for name in re.findall(r'^\s*"([A-Za-z0-9_.-]+)', listed[1], flags=re.MULTILINE)}
+    assert "torch" in needed
+    main = pins(REQUIREMENTS / "main.txt")
+    assert needed | {"scikit-learn", "setuptools"} <= set(main), sorted(needed - set(main))
+
+
+def test_every_requirements_file_is_in_the_developer_environments_key() -> None:
+    listed = re.search(r'cat "\$root"/requirements/\{([a-z,]+)\}\.txt', SETUP.read_text())
+    assert listed, "setup.sh's key no longer reads the requirements files"
+    assert set(listed[1].split(",")) == {path.stem for path in REQUIREMENTS.glob("*.txt")}
+
+
+def uv_sources(env: dict[str, str]) -> list[str]:
+    function = re.search(r"^uv_sources\(\) \{.*?^\}$", SETUP.read_text(), flags=re.MULTILINE | re.DOTALL)
+    assert function, "setup.sh has no uv_sources function"
+    script = f'{function[0]}\nuv_sources "$1"'
+    result = subprocess.run(["bash", "-c", script, "-", sys.executable], capture_output=True, text=True,
+                            env=env, timeout=60, check=True)  # fmt: skip
+    return result.stdout.split()
+
+
+def pip_env(**settings: str) -> dict[str, str]:
+    """This environment with no pip configuration file read and ``settings`` as pip's variables."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PIP_")}
+    return {**env, "PIP_CONFIG_FILE": os.devnull, **settings}
+
+
+def test_uv_is_handed_no_index_where_pip_has_none_configured() -> None:
+    assert uv_sources(pip_env()) == []  # PyPI, as for pip
+
+
+def test_uv_is_handed_the_indexes_find_links_and_constraints_pip_is_configured_with(tmp_path: Path) -> None:
+    wheels, index, constraints = tmp_path / "wheels", tmp_path / "simple", tmp_path / "constraints.txt"
+    wheels.mkdir()
+    index.mkdir()
+    constraints.write_text("torch<=2.14.1\n")
+    env = pip_env(
+        PIP_FIND_LINKS=f"{wheels} {tmp_path / 'absent'}",  # a local store this machine lacks is left out
+        PIP_EXTRA_INDEX_URL=f"file://{index} https://mirror.example/simple",
+        PIP_CONSTRAINT=str(constraints),
+    )
+    flags = uv_sources(env)
+    assert sorted(zip(flags[::2], flags[1::2], strict=True)) == [
+        ("--constraint", str(constraints)),
+        ("--extra-index-url", f"file://{index}"),
+        ("--extra-index-url", "https://mirror.example/simple"),
+        ("--find-links", str(wheels)),
+        ("--index-strategy", "unsafe-best-match"),  # pip's choice: the best version from every index
+    ]
+    assert flags.index(f"file://{index}") < flags.index("https://mirror.example/simple")  # pip's order
+
+
+def checkout(tmp_path: Path) -> Path:
+    """The files setup.sh reads, in a checkout of their own (its ./.venv link is made there)."""
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copytree(REQUIREMENTS, root / "requirements")
+    for script in ("setup.sh", "build-horovod.sh"):
+        shutil.copy(ROOT / "scripts" / script, root / "scripts" / script)
+    return root
+
+
+def environment(cache: Path, name: str) -> Path:
+    """A complete environment whose python does nothing (the checkout's install is not under test)."""
+    venv = cache / name
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\nexit 0\n")
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / ".complete").touch()
+    return venv
+
+
+def key(root: Path, *files: str) -> str:
+    version = subprocess.run([sys.executable, "-c", "import sys; print(sys.version)"], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+    data = b"".join((root / file).read_bytes() for file in files) + version.encode()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def setup_main(root: Path, cache: Path) -> Path:
+    env = {**os.environ, "SPIKINGSAIL_CACHE": str(cache), "PYTHON": sys.executable}
+    subprocess.run(["bash", str(root / "scripts" / "setup.sh"), "--main"], env=env, capture_output=True,
+                   text=True, timeout=60, check=True)  # fmt: skip
+    return (root / ".venv").resolve()
+
+
+def test_the_main_job_runs_in_a_complete_developer_environment_and_else_in_its_own(tmp_path: Path) -> None:
+    root, cache = checkout(tmp_path), tmp_path / "cache"
+    lean = environment(cache, f"venv-main-{key(root, 'requirements/main.txt')}")
+    assert setup_main(root, cache) == lean
+    files = [f"requirements/{name}.txt" for name in ("main", "dev", "nodeps", "sdist", "backends")]
+    developer = environment(cache, f"venv-{key(root, *files, 'scripts/build-horovod.sh')}")
+    assert setup_main(root, cache) == developer  # no second install once test.sh's environment exists
+    (developer / ".complete").unlink()  # a developer environment cut short is not used
+    assert setup_main(root, cache) == lean

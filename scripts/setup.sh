@@ -19,6 +19,7 @@ key=$( (cat "$root"/requirements/{main,dev,nodeps,sdist,backends}.txt "$root/scr
         echo "$python_version") | sha256sum | cut -c1-16)
 venv="$cache/venv-$key"
 uv_pin=uv==0.13.9  # the lean environment's installer: it downloads and unpacks in parallel
+uv_home="$cache/uv-${uv_pin#uv==}"
 
 uv_sources() {  # uv reads no pip configuration: pip's indexes, find-links and constraints as uv flags
   "$1" - <<'EOF'
@@ -44,30 +45,44 @@ if "--extra-index-url" in found:  # pip takes the best version from all indexes;
 EOF
 }
 
+install_uv() {  # the pinned uv into $uv_home, once per machine: by the system python's pip, else a venv's
+  rm -rf "$uv_home"
+  if "$python" -m pip --version >/dev/null 2>&1 &&
+    PIP_ROOT_USER_ACTION=ignore "$python" -m pip install --quiet --target "$uv_home" "$uv_pin"; then
+    return
+  fi
+  rm -rf "$uv_home"
+  "$python" -m venv "$uv_home" && "$uv_home/bin/python" -m pip install --quiet "$uv_pin"
+}
+
 lean_environment() {  # requirements/main.txt alone into $venv, with uv (with pip where uv does not install)
   echo "[setup] creating $venv with only what the main job needs (first run on this machine: about a minute)"
   rm -rf "$venv"
   mkdir -p "$cache"
-  "$python" -m venv "$venv"
-  local sources=() line
-  if "$venv/bin/python" -m pip install --quiet "$uv_pin"; then
-    while IFS= read -r line; do sources+=("$line"); done < <(uv_sources "$venv/bin/python")
-    if "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" ${sources[@]+"${sources[@]}"} \
-      -r "$root/requirements/main.txt"; then
+  "$python" -m venv --without-pip "$venv"  # uv installs pip with the rest, not ensurepip, which is slower
+  local pip_python=$python sources=() line
+  if [ -x "$uv_home/bin/uv" ] || install_uv; then
+    "$python" -m pip --version >/dev/null 2>&1 || pip_python=$uv_home/bin/python  # where uv_sources asks pip
+    while IFS= read -r line; do sources+=("$line"); done < <(uv_sources "$pip_python")
+    if "$uv_home/bin/uv" pip install --quiet --python "$venv/bin/python" ${sources[@]+"${sources[@]}"} \
+      -r "$root/requirements/main.txt" pip; then
       return
     fi
     echo "[setup] uv failed (above); installing with pip instead"
-    rm -f "$venv/bin/uv"
+  else
+    echo "[setup] uv did not install (above); installing with pip instead"
   fi
+  "$venv/bin/python" -m ensurepip --upgrade >/dev/null
   "$venv/bin/python" -m pip install --quiet -r "$root/requirements/main.txt"
 }
 
-lean=0
+lean=0 fresh=0
 if [ "${1:-}" = "--main" ] && [ ! -f "$venv/.complete" ]; then
   venv="$cache/venv-main-$( (cat "$root/requirements/main.txt"; echo "$python_version") | sha256sum | cut -c1-16)"
+  lean=1
   if [ ! -f "$venv/.complete" ]; then
     lean_environment
-    lean=1
+    fresh=1
   fi
 elif [ ! -f "$venv/.complete" ]; then
   echo "[setup] creating $venv (first run on this machine: about 2 minutes)"
@@ -123,12 +138,12 @@ if unreadable_cuda_archs(archs):
     --no-build-isolation --no-cache-dir --force-reinstall "$ds_pin"
   touch "$venv/.deepspeed-cuda-ops"
 fi
-if [ -x "$venv/bin/uv" ]; then  # the lean environment: uv installs this checkout in a second, pip in five
-  "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --no-deps --no-build-isolation -e "$root"
+if [ "$lean" = 1 ] && [ -x "$uv_home/bin/uv" ]; then  # uv installs this checkout in a second, pip in five
+  "$uv_home/bin/uv" pip install --quiet --python "$venv/bin/python" --no-deps --no-build-isolation -e "$root"
 else
   "$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$root"
 fi
-if [ "$lean" = 1 ]; then
+if [ "$fresh" = 1 ]; then
   # uv writes no bytecode (pip compiles every file: much of its time). Write it once for what the
   # main job's processes import, or each of them compiles torch's modules again on every run where
   # PYTHONDONTWRITEBYTECODE is set.

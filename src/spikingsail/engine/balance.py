@@ -107,7 +107,7 @@ class Balancer:
             maxlen=MEASURE_STEPS
         )  # per step: [rank, (compute seconds, samples, wall seconds)]
         self._steady = SpeedMeasure.sums([], [[0.0] * 6 for _ in range(world_size)])
-        """``SpeedMeasure.sums`` of every step at the split in use since it took effect (outside probes)."""
+        """``SpeedMeasure.sums`` of the steps at the split in use (from its reference on; outside probes)."""
         self._reference: list[float] | None = None  # the speed fractions measured at the split in use
         self._reference_variances = [0.0] * world_size  # the variances of their logs
         self._rebase = False
@@ -187,12 +187,15 @@ class Balancer:
         split in use is uneven (``_refinement``)."""
         measure = SpeedMeasure.of_steps(self._window)
         if self._rebase:  # the first window at a new split: what later windows are compared with,
-            # unless a rank's speed changed by the factor within it (its halves tell)
-            steps = list(self._window)
-            later = SpeedMeasure.of_steps(steps[MEASURE_STEPS // 2 :])
-            if self._moved(later, SpeedMeasure.of_steps(steps[: MEASURE_STEPS // 2])):
+            # unless a rank's speed changed within it: its halves differ by the factor
+            steps, half = list(self._window), MEASURE_STEPS // 2
+            later, earlier = SpeedMeasure.of_steps(steps[half:]), SpeedMeasure.of_steps(steps[:half])
+            if self._moved(later, earlier):
                 return self._change(step, later, rank, refined=False)
+            if self._moved(later, earlier, z=0.0):
+                return None  # perhaps: the window slides on until its halves agree
             self._set_reference(measure)
+            self._steady = SpeedMeasure.sums(steps)  # the steps at this split: from the reference on
         if self._reference is None or self._moved(measure):
             return self._change(step, measure, rank, refined=False)
         basis = self._refinement(measure)
@@ -381,9 +384,9 @@ class Balancer:
         variance = SpeedMeasure(corrected, measure.variances).fraction_variances()[slowest]
         return lower_bound(self._times(measure.speeds)[slowest] / even, variance) > 1 + tolerance
 
-    def _moved(self, measure: SpeedMeasure, reference: SpeedMeasure | None = None) -> bool:
+    def _moved(self, measure: SpeedMeasure, reference: SpeedMeasure | None = None, z: float = Z) -> bool:
         """Whether a rank's share of the total speed moved from the reference (or ``reference``) by
-        more than the factor, with confidence (``Z`` standard errors of both measurements)."""
+        more than the factor, with confidence (``z`` standard errors of both measurements)."""
         shares, variances = fractions(measure.speeds), measure.fraction_variances()
         if reference is not None:
             before = fractions(reference.speeds)
@@ -393,7 +396,7 @@ class Balancer:
             before, spreads = self._reference, self._reference_variances
         limit = math.log(self.rebalance_factor)
         return any(
-            abs(math.log(f / r)) - Z * math.sqrt(v + w) > limit
+            abs(math.log(f / r)) - z * math.sqrt(v + w) > limit
             for f, r, v, w in zip(shares, before, variances, spreads, strict=True)
         )
 

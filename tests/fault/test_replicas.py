@@ -120,7 +120,8 @@ def test_a_killed_group_heals_from_the_other_and_the_run_equals_the_fault_free_o
     tmp_path: Path, kill_in: str
 ) -> None:
     out = tmp_path / "run"
-    launch(out, "--kill-group", "1", "--kill-step", "10", "--kill-in", kill_in)
+    # min_replicas 2: the survivor waits for the killed group's restart instead of racing it to the end
+    launch(out, "--kill-group", "1", "--kill-step", "10", "--kill-in", kill_in, "--min-replicas", "2")
     output = (out / "output.txt").read_text()
     assert (out / "killed-1").exists()
     assert len(list(out.glob("ledger-1-*.jsonl"))) == 2  # the killed process and its replacement
@@ -136,9 +137,10 @@ def test_groups_of_two_ranks_each_weight_their_shares_and_heal(tmp_path: Path, b
     # fsdp: each group shards the model over its two ranks, and rank r of the healing group takes
     # rank r's shards (parameters and Adam's state) from the live group, as HSDP replicates them
     out = tmp_path / "run"
-    # 0.6 s steps: the survivor is still training when the killed group's agent has restarted it
-    # (a group restarting after the others finished, with no checkpoint, would train alone from 0)
-    launch(out, "--kill-group", "0", "--kill-step", "2", "--step-sleep", "0.6", "--backend", backend, nproc=2)
+    # min_replicas 2: the survivor waits for the killed group's restart instead of racing it (a group
+    # restarting after the others finished, with no checkpoint, would train alone from step 0)
+    launch(out, "--kill-group", "0", "--kill-step", "2", "--step-sleep", "0.6", "--backend", backend,
+           "--min-replicas", "2", nproc=2)  # fmt: skip
     assert [(out / f"sharded-{g}").exists() for g in (0, 1)] == [backend == "fsdp"] * 2
     assert "replica group 0 in the job at step" in (out / "output.txt").read_text()
     assert_trained_as_one_process(out, tmp_path, ranks=4, per_epoch=SAMPLES // 16)

@@ -19,9 +19,11 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from collections import Counter
 from pathlib import Path
 
 MARK = "SAIL_SUITE_MARK"
+NETNS_DIR = "/run/netns"
 # a process that is being stopped as the suite ends may take a moment to go
 GRACE_SECONDS = float(os.environ.get("SAIL_SUITE_GRACE_SECONDS", "15"))
 
@@ -70,7 +72,11 @@ def _netns() -> list[str]:
 
 
 def _mounts() -> list[str]:
-    return sorted({line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()})
+    """Mount points, but for /run/netns: ``ip netns add`` mounts it once and keeps it (its namespaces,
+    mounted inside it, are counted as namespaces)."""
+    points = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    return sorted(p for p in points if p != NETNS_DIR and not p.startswith(f"{NETNS_DIR}/"))  # a mount
+    # over another at the same point (a small /dev/shm) is listed twice
 
 
 def snapshot(path: Path) -> None:
@@ -85,7 +91,8 @@ def _left(before: dict[str, object]) -> list[str]:
     left = [f"process {pid}: {cmd[:200]}" for pid, (started, cmd) in sorted(processes.items())
             if started >= ticks and pid not in mine]  # fmt: skip
     left += [f"network namespace {name}" for name in _netns() if name not in before["netns"]]  # type: ignore[operator]
-    left += [f"mount {point}" for point in _mounts() if point not in before["mounts"]]  # type: ignore[operator]
+    added = Counter(_mounts()) - Counter(before["mounts"])  # type: ignore[arg-type]
+    left += [f"mount {point}" for point in sorted(added.elements())]
     return left
 
 

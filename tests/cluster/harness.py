@@ -38,6 +38,7 @@ class NamespaceCluster:
         self.ssh_config = workdir / "ssh_config"
         self.key = workdir / "id_ed25519"
         self._veth = (f"sv{tag}a", f"sv{tag}b")
+        self._munged: int | None = None
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -61,6 +62,10 @@ class NamespaceCluster:
         for name in self.names:
             self.kill_namespace_processes(name)
             subprocess.run(["ip", "netns", "del", self.netns[name]], check=False, capture_output=True)
+        if self._munged is not None:  # the munged start_slurm started; one that ran before is not ours
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._munged, signal.SIGTERM)
+            self._munged = None
 
     # -- running things on a node ----------------------------------------------------------------
 
@@ -190,7 +195,7 @@ class NamespaceCluster:
             raise ClusterUnavailableError(f"SLURM tests need munge and slurm-wlm; missing {missing}")
         state = self.workdir / "slurm"
         state.mkdir(exist_ok=True)
-        _start_munge()
+        self._munged = _start_munge()
         nodes = [
             f"NodeName={n} NodeAddr={self.address[n]} CPUs=2 RealMemory=1000 State=UNKNOWN"
             for n in self.names
@@ -284,13 +289,18 @@ class NamespaceCluster:
         )
 
 
-def _start_munge() -> None:
-    """One munged serves every node: the namespaces share the filesystem and its socket."""
+MUNGED_PID = Path("/run/munge/munged.pid")
+
+
+def _start_munge() -> int | None:
+    """One munged serves every node: the namespaces share the filesystem and its socket. Returns its
+    pid when this call started it (``stop`` ends it then), None when one ran already."""
     if subprocess.run(["pgrep", "-x", "munged"], capture_output=True, check=False).returncode == 0:
-        return
+        return None
     Path("/run/munge").mkdir(exist_ok=True)
     shutil.chown("/run/munge", "munge", "munge")
     subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
+    return int(MUNGED_PID.read_text())  # written before munged's parent returns (it daemonizes)
 
 
 def _checked(result: subprocess.CompletedProcess[str]) -> None:

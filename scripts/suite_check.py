@@ -21,6 +21,7 @@ import time
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 MARK = "SAIL_SUITE_MARK"
 NETNS_DIR = "/run/netns"
@@ -84,14 +85,14 @@ def snapshot(path: Path) -> None:
     path.write_text(json.dumps(snap))
 
 
-def _left(before: dict[str, object]) -> list[str]:
-    ticks = int(before["ticks"])  # type: ignore[call-overload]
+def _left(before: dict[str, Any]) -> list[str]:
+    ticks = int(before["ticks"])
     mine = _ancestors()
     processes = _processes(str(before["mark"]))
     left = [f"process {pid}: {cmd[:200]}" for pid, (started, cmd) in sorted(processes.items())
             if started >= ticks and pid not in mine]  # fmt: skip
-    left += [f"network namespace {name}" for name in _netns() if name not in before["netns"]]  # type: ignore[operator]
-    added = Counter(_mounts()) - Counter(before["mounts"])  # type: ignore[arg-type]
+    left += [f"network namespace {name}" for name in _netns() if name not in before["netns"]]
+    added = Counter(_mounts()) - Counter(before["mounts"])
     left += [f"mount {point}" for point in sorted(added.elements())]
     return left
 

@@ -63,8 +63,9 @@ class NamespaceCluster:
             self.kill_namespace_processes(name)
             subprocess.run(["ip", "netns", "del", self.netns[name]], check=False, capture_output=True)
         if self._munged is not None:  # the munged start_slurm started; one that ran before is not ours
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self._munged, signal.SIGTERM)
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{self._munged}/comm").read_text().strip() == "munged":
+                    os.kill(self._munged, signal.SIGTERM)
             self._munged = None
 
     # -- running things on a node ----------------------------------------------------------------
@@ -300,7 +301,14 @@ def _start_munge() -> int | None:
     Path("/run/munge").mkdir(exist_ok=True)
     shutil.chown("/run/munge", "munge", "munge")
     subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
-    return int(MUNGED_PID.read_text())  # written before munged's parent returns (it daemonizes)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the daemon writes it; a stale one names no munged
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(MUNGED_PID.read_text())
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "munged":
+                return pid
+        time.sleep(0.1)
+    return None
 
 
 def _checked(result: subprocess.CompletedProcess[str]) -> None:

@@ -339,6 +339,33 @@ def test_a_closed_terminal_ends_the_whole_job(tmp_path: Path) -> None:
         terminal.wait()
 
 
+@pytest.mark.multiprocess
+def test_a_signal_the_kernel_hands_to_another_thread_of_sail_still_reaches_the_job(tmp_path: Path) -> None:
+    """A process-directed signal goes to whichever of sail's threads the kernel picks (a closed
+    terminal's SIGHUP landed on the thread relaying the workers' output once in CI); Python runs the
+    handler on the main thread only, so a main thread blocked until the job ends would never pass it on.
+    The signal is sent to the relay thread here (tgkill), which is what the kernel may do."""
+    import ctypes
+
+    out = tmp_path / "out"
+    launcher = subprocess.Popen([*SAIL, "launch", "-n", "2", str(SIGNAL_JOB), str(out)], cwd=tmp_path,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_for(lambda: all((out / f"started{r}").exists() for r in (0, 1)), 90, "the workers did not start")
+        others = [int(t) for t in os.listdir(f"/proc/{launcher.pid}/task") if int(t) != launcher.pid]
+        assert others, "sail launch runs no thread beside its main one: nothing to send the signal to"
+        tgkill = ctypes.CDLL(None, use_errno=True).tgkill
+        assert tgkill(launcher.pid, others[0], int(signal.SIGHUP)) == 0, os.strerror(ctypes.get_errno())
+        assert launcher.wait(timeout=60) == 128 + signal.SIGHUP
+        wait_for(
+            lambda: not processes_with(str(out)), 10, f"left after the signal: {processes_with(str(out))}"
+        )
+    finally:
+        (out / "stop").touch()
+        launcher.kill()
+        launcher.wait()
+
+
 def test_local_launcher_with_a_host_list_uses_its_count_and_chosen_slots_here(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.touch()

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import termios
 import threading
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from types import FrameType
@@ -35,6 +36,7 @@ from spikingsail.launchers.torchrun_args import TorchrunArgs
 from spikingsail.monitor.logs import debugging
 
 TAIL_LINES = 400
+_POLL_SECONDS = 0.1
 
 
 class LocalLauncher(Launcher):
@@ -118,7 +120,11 @@ def run_local(
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
-        code = child.wait()
+        # Polled, not a blocking wait: the kernel may hand a signal to the relay thread, and Python
+        # runs its handler only when this (the main) thread next runs Python code. A main thread
+        # blocked in waitpid(2) would forward a closed terminal's SIGHUP only once the job ended.
+        while (code := child.poll()) is None:
+            time.sleep(_POLL_SECONDS)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

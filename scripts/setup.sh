@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) the pinned virtual environment and install this checkout into it.
 #
-#   scripts/setup.sh              the developer environment: torch, spikingjelly and the tools
+#   scripts/setup.sh              the developer environment: torch, spikingjelly and the tools (uv)
 #   scripts/setup.sh --main       only what the main job needs (requirements/main.txt), installed
 #                                 with uv: scripts/main.sh; a complete developer environment is
 #                                 used instead when there is one (no second install)
@@ -55,25 +55,51 @@ install_uv() {  # the pinned uv into $uv_home, once per machine: by the system p
   "$python" -m venv "$uv_home" && "$uv_home/bin/python" -m pip install --quiet "$uv_pin"
 }
 
+uv_ready() {  # the pinned uv is here (installed once per machine); $uv_flags: pip's sources for it
+  [ -x "$uv_home/bin/uv" ] || install_uv || return 1
+  local pip_python=$python line
+  "$python" -m pip --version >/dev/null 2>&1 || pip_python=$uv_home/bin/python  # where uv_sources asks pip
+  uv_flags=()
+  while IFS= read -r line; do uv_flags+=("$line"); done < <(uv_sources "$pip_python")
+}
+
+uv_pip() {  # uv pip install ARGS... into $venv, from pip's sources
+  "$uv_home/bin/uv" pip install --quiet --python "$venv/bin/python" ${uv_flags[@]+"${uv_flags[@]}"} "$@"
+}
+
 lean_environment() {  # requirements/main.txt alone into $venv, with uv (with pip where uv does not install)
   echo "[setup] creating $venv with only what the main job needs (first run on this machine: about a minute)"
   rm -rf "$venv"
   mkdir -p "$cache"
   "$python" -m venv --without-pip "$venv"  # uv installs pip with the rest, not ensurepip, which is slower
-  local pip_python=$python sources=() line
-  if [ -x "$uv_home/bin/uv" ] || install_uv; then
-    "$python" -m pip --version >/dev/null 2>&1 || pip_python=$uv_home/bin/python  # where uv_sources asks pip
-    while IFS= read -r line; do sources+=("$line"); done < <(uv_sources "$pip_python")
-    if "$uv_home/bin/uv" pip install --quiet --python "$venv/bin/python" ${sources[@]+"${sources[@]}"} \
-      -r "$root/requirements/main.txt" pip; then
-      return
-    fi
-    echo "[setup] uv failed (above); installing with pip instead"
-  else
-    echo "[setup] uv did not install (above); installing with pip instead"
+  if uv_ready && uv_pip -r "$root/requirements/main.txt" pip; then
+    return
   fi
+  echo "[setup] uv did not install (above); installing with pip instead"
   "$venv/bin/python" -m ensurepip --upgrade >/dev/null
   "$venv/bin/python" -m pip install --quiet -r "$root/requirements/main.txt"
+}
+
+developer_environment() {  # dev.txt and nodeps.txt with uv (pip where uv does not), then the sdists with pip
+  echo "[setup] creating $venv (first run on this machine: about 2 minutes)"
+  rm -rf "$venv"
+  mkdir -p "$cache"
+  "$python" -m venv --without-pip "$venv"
+  if ! { uv_ready && uv_pip -r "$root/requirements/dev.txt" pip &&
+         uv_pip --no-deps -r "$root/requirements/nodeps.txt"; }; then
+    echo "[setup] uv did not install (above); installing with pip instead"
+    "$venv/bin/python" -m ensurepip --upgrade >/dev/null
+    "$venv/bin/python" -m pip install --quiet --upgrade pip
+    "$venv/bin/python" -m pip install --quiet -r "$root/requirements/dev.txt"
+    "$venv/bin/python" -m pip install --quiet --no-deps -r "$root/requirements/nodeps.txt"
+  fi
+  # norse's sdist names itself 0.0.0 (see sdist.txt): pip downloads the pinned file, then installs it
+  local sdists
+  sdists=$(mktemp -d)
+  "$venv/bin/python" -m pip download --quiet --no-deps --no-binary :all: -d "$sdists" -r "$root/requirements/sdist.txt"
+  "$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation "$sdists"/*.tar.gz
+  rm -rf "$sdists"
+  touch "$venv/.complete"
 }
 
 lean=0 fresh=0
@@ -85,18 +111,7 @@ if [ "${1:-}" = "--main" ] && [ ! -f "$venv/.complete" ]; then
     fresh=1
   fi
 elif [ ! -f "$venv/.complete" ]; then
-  echo "[setup] creating $venv (first run on this machine: about 2 minutes)"
-  rm -rf "$venv"
-  mkdir -p "$cache"
-  "$python" -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --upgrade pip
-  "$venv/bin/python" -m pip install --quiet -r "$root/requirements/dev.txt"
-  "$venv/bin/python" -m pip install --quiet --no-deps -r "$root/requirements/nodeps.txt"
-  sdists=$(mktemp -d)
-  "$venv/bin/python" -m pip download --quiet --no-deps --no-binary :all: -d "$sdists" -r "$root/requirements/sdist.txt"
-  "$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation "$sdists"/*.tar.gz
-  rm -rf "$sdists"
-  touch "$venv/.complete"
+  developer_environment
 fi
 if [ "${1:-}" = "--backends" ] && [ ! -f "$venv/.backends-complete" ]; then
   echo "[setup] adding DeepSpeed and Horovod (first run on this machine: about 3 minutes, 8 if Horovod must be built)"

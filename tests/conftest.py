@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.cgroups import cpu_quota_group
@@ -32,6 +33,13 @@ _SET_BY_OTHERS = {
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.realpath(sys.prefix), "torch_extensions"))
 # DeepSpeed reads the accelerator at import: CPU, as on this kind of machine.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# One intra-op thread per process, here and in every process a test starts (torchrun sets the same
+# for its workers): the suite runs two pytest processes on two cores, each starting several
+# processes at once, and each process's own thread pool on top only made them wait on each other
+# (a third more CPU time for the same tests). A value the caller set stands.
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by the marks
@@ -39,8 +47,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """``requires_cuda`` tests are skipped, with the reason, where torch sees no GPU. Every test on
     the namespace cluster is marked ``cluster``: scripts/test.sh runs them in a pytest process of
     their own (one cluster: the nodes' daemons, munge and slurm, are the machine's)."""
-    import torch
-
     skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False here")
     no_gpu = not torch.cuda.is_available()
     for item in items:

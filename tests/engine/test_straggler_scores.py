@@ -121,7 +121,22 @@ def test_a_slow_rank_is_named_once_and_again_after_it_recovered() -> None:
     )
     assert len(warnings) == 2, warnings  # once, not every window; again after the recovery
     assert all(w.startswith("straggler: rank 1 on node1 has taken ") for w in warnings), warnings
-    assert f"(to step {3 * WINDOW};" in warnings[0] and f"(to step {9 * WINDOW};" in warnings[1]
+    # slow from the first window: named at the third; slow again from the seventh, the window it
+    # turned slow in, which persistence does not count: named at the third window after it
+    assert f"(to step {3 * WINDOW};" in warnings[0] and f"(to step {10 * WINDOW};" in warnings[1]
+
+
+def test_an_episode_of_two_windows_across_three_raises_no_alarm() -> None:
+    # one rank 2.5x slower for 40 steps from the middle of the fourth window on a quiet machine (the
+    # real-process test measured 1.5x, 2.3x, 1.6x): 10, 20 and 10 slow steps in three windows, each
+    # window's score at or above the factor and the three together significant (named in 20 of 20
+    # seeds when persistence counted the window the episode began in)
+    timing = machine(0, 2, quiet=True)
+    first = 3 * WINDOW + WINDOW // 2 + 1
+    _, warnings = run(
+        2, 10 * WINDOW, lambda s, r: timing(s, r) * (2.5 if r == 0 and first <= s < first + 2 * WINDOW else 1)
+    )
+    assert warnings == []
 
 
 def test_a_window_of_one_step_takes_the_windows_spread() -> None:

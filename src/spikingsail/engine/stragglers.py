@@ -14,8 +14,10 @@ Every ``window`` optimizer steps the ranks sum their phases in one small all-red
 boundary (never inside a phase), with each rank's number of steps and the spread of its per-step
 work (every phase but comm) about its mean. A rank's score is its work over the median of the other
 ranks' work. A rank is a straggler when its score has stayed at or above ``factor`` for at least
-``PERSISTENT_WINDOWS`` windows in a row (persistence) and the lower confidence bound of its score
-over those windows, ``Z`` standard errors below it, is at or above ``factor`` too (significance).
+``PERSISTENT_WINDOWS`` windows in a row after the window it turned slow in (persistence: that window
+holds only part of its slow steps; from the run's first window on there is none) and the lower
+confidence bound of its score over those windows, ``Z`` standard errors below it, is at or above
+``factor`` too (significance).
 A window's standard error is the larger of what the per-step spread of the rank's work and of the
 median rank's gives and what the scores' spread from one window to the next has been
 (``between_windows``: a shared machine's load comes in episodes of seconds, on one rank and then
@@ -71,6 +73,7 @@ class StragglerWatch:
             (0, 0.0, 0.0)
         ] * world_size  # per rank: windows in a row at the factor, Σ log score, Σ variance
         self._warned: set[int] = set()
+        self._onsets: set[int] = set()  # ranks past the window they turned slow in
         self.hosts: list[str] | None = None
         self.last_gradient = LastGradient(model, self.clock)
 
@@ -165,6 +168,14 @@ class StragglerWatch:
             if scores[r] < self.factor:
                 self._streaks[r] = (0, 0.0, 0.0)
                 self._warned.discard(r)
+                self._onsets.discard(r)
+                continue
+            if self._streaks[r][0] == 0 and len(self._history[r]) > 1 and r not in self._onsets:
+                # the window the rank turned slow in holds only part of its slow steps, wherever in
+                # the window that happened (an episode of two windows' length touches three of
+                # them): persistence counts the windows after it; a rank slow from the run's first
+                # window on has no such window
+                self._onsets.add(r)
                 continue
             # a window's error: the larger of its steps' and of the run's windows' (load comes in
             # episodes longer than a step, which the steps of one window cannot show)

@@ -13,8 +13,7 @@ cd "$root"
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 # The namespace cluster's tests and the others run side by side, each in a pytest process of its own
 # (two cores; the cluster's tests share its one cluster), then the `alone` tests — heartbeats, stall
-# limits, measured speeds — with neither of those beside them (in two lanes of their own, below).
-# SAIL_TEST_SERIAL=1 runs everything in one pytest process.
+# limits, measured speeds — by themselves. SAIL_TEST_SERIAL=1 runs everything in one pytest process.
 # A -m EXPR of the caller's narrows every run; they share one matrix sample (SAIL_MATRIX_SEED replays
 # one).
 export SAIL_MATRIX_SEED=${SAIL_MATRIX_SEED:-$(.venv/bin/python -c "import random; print(random.SystemRandom().randrange(10**6))")}
@@ -47,21 +46,13 @@ export SAIL_SUITE_MARK
 started=$(date +%s)
 run cluster "cluster and not alone" > "$scratch/cluster.log" 2>&1 &
 cluster=$!
-replicas=""
-trap 'kill "$cluster" $replicas 2>/dev/null || true; rm -rf "$scratch" 2>/dev/null || true' EXIT
+trap 'kill "$cluster" 2>/dev/null || true; rm -rf "$scratch" 2>/dev/null || true' EXIT
 code=0; run rest "not cluster and not alone" || code=$?; outcome "$code"
 code=0; wait "$cluster" || code=$?; outcome "$code"
 echo "---- the namespace cluster's tests, which ran beside the others ----"
 cat "$scratch/cluster.log"
-# The alone tests wait more than they compute (under half of the two cores, measured): the replica
-# groups' runs on this machine, about two thirds of that time, go in a lane beside the others.
-run replicas "alone and replicas and not cluster" > "$scratch/replicas.log" 2>&1 &
-replicas=$!
-code=0; run alone "alone and not (replicas and not cluster)" || code=$?; outcome "$code"
-code=0; wait "$replicas" || code=$?; outcome "$code"
-echo "---- the replica groups' alone tests, which ran beside the other alone tests ----"
-cat "$scratch/replicas.log"
-.venv/bin/python scripts/suite_check.py slowest "$(($(date +%s) - started))" "$scratch"/{rest,cluster,alone,replicas}.xml
+code=0; run alone "alone" || code=$?; outcome "$code"
+.venv/bin/python scripts/suite_check.py slowest "$(($(date +%s) - started))" "$scratch"/{rest,cluster,alone}.xml
 if [ "$selected" = 0 ]; then exit 5; fi
 .venv/bin/python scripts/suite_check.py leftovers "$scratch/before.json" || status=$((status > 1 ? status : 1))
 exit "$status"

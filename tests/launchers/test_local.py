@@ -185,6 +185,16 @@ def wait_for(condition: Callable[[], bool], seconds: float, what: str) -> None:
         time.sleep(0.1)
 
 
+def wait_for_workers(out: Path) -> None:
+    """Until both ranks of ``signal_job.py`` have started."""
+    wait_for(lambda: all((out / f"started{r}").exists() for r in (0, 1)), 90, "the workers did not start")
+
+
+def wait_for_nothing_left(out: Path, after: str) -> None:
+    """Until no process of the job writing to ``out`` is left (10 s after ``after``)."""
+    wait_for(lambda: not processes_with(str(out)), 10, f"left after {after}: {processes_with(str(out))}")
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("signum", [*FORWARDED, signal.SIGKILL], ids=lambda s: s.name)
 def test_every_forwarded_signal_reaches_the_workers_and_leaves_nothing(
@@ -199,12 +209,10 @@ def test_every_forwarded_signal_reaches_the_workers_and_leaves_nothing(
             stderr=stderr,
         )
     try:
-        wait_for(lambda: all((out / f"started{r}").exists() for r in (0, 1)), 90, "the workers did not start")
+        wait_for_workers(out)
         launcher.send_signal(signum)  # SIGKILL: the agent dies with sail (PR_SET_PDEATHSIG)
         # every process of the job, the launcher's included, is gone within 10 s
-        wait_for(
-            lambda: not processes_with(str(out)), 10, f"left after {signum.name}: {processes_with(str(out))}"
-        )
+        wait_for_nothing_left(out, signum.name)
         code = launcher.wait(timeout=5)
         assert code == (-signal.SIGKILL if signum == signal.SIGKILL else 128 + signum)
         if signum == signal.SIGUSR1:
@@ -228,7 +236,7 @@ def test_pkill_by_sails_command_line_leaves_nothing_and_names_the_agent(tmp_path
             cwd=tmp_path, stdout=stderr, stderr=stderr,
         )  # fmt: skip
     try:
-        wait_for(lambda: all((out / f"started{r}").exists() for r in (0, 1)), 90, "the workers did not start")
+        wait_for_workers(out)
         named = {pid: line for pid, line in processes_with(str(out)).items() if "sail launch" in line}
         assert list(named) == [launcher.pid], named  # the agent's command line is its own
         agents = [
@@ -236,7 +244,7 @@ def test_pkill_by_sails_command_line_leaves_nothing_and_names_the_agent(tmp_path
         ]
         assert len(agents) == 1 and str(SIGNAL_JOB) in agents[0], processes_with(str(out))
         subprocess.run(["pkill", "-f", f"sail launch .*{out}"], check=True)
-        wait_for(lambda: not processes_with(str(out)), 10, f"left after pkill: {processes_with(str(out))}")
+        wait_for_nothing_left(out, "pkill")
         assert launcher.wait(timeout=5) == 128 + signal.SIGTERM
     finally:
         (out / "stop").touch()
@@ -328,11 +336,9 @@ def test_a_closed_terminal_ends_the_whole_job(tmp_path: Path) -> None:
     terminal = subprocess.Popen(["script", "-qfec", command, "/dev/null"], cwd=tmp_path,
                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
-        wait_for(lambda: all((out / f"started{r}").exists() for r in (0, 1)), 90, "the workers did not start")
+        wait_for_workers(out)
         terminal.kill()  # the terminal's master side closes with it
-        wait_for(
-            lambda: not processes_with(str(out)), 10, f"left after the hang-up: {processes_with(str(out))}"
-        )
+        wait_for_nothing_left(out, "the hang-up")
     finally:
         (out / "stop").touch()
         terminal.kill()
@@ -351,15 +357,13 @@ def test_a_signal_the_kernel_hands_to_another_thread_of_sail_still_reaches_the_j
     launcher = subprocess.Popen([*SAIL, "launch", "-n", "2", str(SIGNAL_JOB), str(out)], cwd=tmp_path,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
-        wait_for(lambda: all((out / f"started{r}").exists() for r in (0, 1)), 90, "the workers did not start")
+        wait_for_workers(out)
         others = [int(t) for t in os.listdir(f"/proc/{launcher.pid}/task") if int(t) != launcher.pid]
         assert others, "sail launch runs no thread beside its main one: nothing to send the signal to"
         tgkill = ctypes.CDLL(None, use_errno=True).tgkill
         assert tgkill(launcher.pid, others[0], int(signal.SIGHUP)) == 0, os.strerror(ctypes.get_errno())
         assert launcher.wait(timeout=60) == 128 + signal.SIGHUP
-        wait_for(
-            lambda: not processes_with(str(out)), 10, f"left after the signal: {processes_with(str(out))}"
-        )
+        wait_for_nothing_left(out, "the signal")
     finally:
         (out / "stop").touch()
         launcher.kill()

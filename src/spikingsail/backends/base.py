@@ -22,7 +22,6 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from spikingsail.checkpoint import dcp_io
 from spikingsail.config.schema import SailConfig
 from spikingsail.engine.precision import Precision, select_precision
 from spikingsail.environments import RankInfo
@@ -154,6 +153,8 @@ class Backend(ABC):
         them and every rank continues from them, in the run that saved as in one that resumes
         (DDP's broadcast before every forward does the same; DeepSpeed saves rank 0's). A backend
         with ``rank_buffers`` puts rank 0's into the state instead and leaves each rank its own."""
+        from spikingsail.checkpoint import dcp_io  # imported when first used: it takes a second
+
         state = self.state_to_save(module, optimizer)
         if background:
             return dcp_io.async_save(state, directory, group)
@@ -166,6 +167,8 @@ class Backend(ABC):
             with torch.no_grad():
                 for buffer in persistent_buffers(module):
                     dist.broadcast(buffer, src=0)
+        from spikingsail.checkpoint import dcp_io
+
         return dcp_io.state_to_save(module, optimizer)
 
     def load_state(
@@ -176,12 +179,16 @@ class Backend(ABC):
         group: dist.ProcessGroup | None,
     ) -> None:
         """Read what ``save_state`` wrote (collective); ``optimizer`` None loads weights only."""
+        from spikingsail.checkpoint import dcp_io
+
         dcp_io.load(module, optimizer, directory, group)
 
     def consolidated_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state dict in fp32 where it trains in fp32 (collective: every rank calls
         it; rank 0 gets the tensors on the CPU, the other ranks may get an empty dict). Sharded
         parameters (FSDP) are gathered."""
+        from spikingsail.checkpoint import dcp_io
+
         return dcp_io.full_model_state(module)
 
     def own_state_files(self, directory: Path, rank: int) -> list[Path]:

@@ -13,20 +13,22 @@ import logging
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from spikingsail.backends.process_group import ProcessGroupBackend
-from spikingsail.checkpoint import dcp_io
 from spikingsail.config.schema import SailConfig
 from spikingsail.environments import RankInfo
 from spikingsail.errors import BackendError
+
+if TYPE_CHECKING:
+    # torch.distributed.optim imports FSDP and DTensor (a second of CPU): imported for ZeRO-1 only
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +131,8 @@ class DDPBackend(ProcessGroupBackend):
             return super().state_to_save(module, optimizer)
         # rank 0's statistics in the checkpoint (DCP writes one rank's copy of a replicated tensor),
         # each rank's own left in place: a save changes nothing in the run (each rank's are saved too)
+        from spikingsail.checkpoint import dcp_io
+
         state = dcp_io.state_to_save(module, optimizer)
         buffers = {buffer.data_ptr() for buffer in module.buffers()}
         with torch.no_grad():
@@ -192,6 +196,8 @@ def _zero_redundancy(optimizer: torch.optim.Optimizer, where: str) -> ZeroRedund
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     # The given optimizer's own group dicts, not copies: a scheduler (or anything else) bound to the
     # given optimizer changes hyper-parameters that ZeRO steps with.
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     return ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=cls, **defaults)
 
 

@@ -25,15 +25,12 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.stateful import Stateful
 
-from spikingsail.checkpoint import dcp_io
 from spikingsail.checkpoint.compatibility import check_resumable
 from spikingsail.checkpoint.faults import FULL_BYTES, Failure, estimate_bytes, free_bytes, save_error
 from spikingsail.checkpoint.lock import fence
@@ -41,6 +38,12 @@ from spikingsail.checkpoint.store import CheckpointStore, seal
 from spikingsail.config.schema import SailConfig
 from spikingsail.environments import RankInfo
 from spikingsail.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
+
+# torch.distributed.checkpoint (and with it DTensor and sympy: a second of CPU in each process) is
+# imported where a checkpoint is written or read, not when a training process starts.
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -209,6 +212,8 @@ class _Saving:
         """``action()`` on every rank; if it failed on any, ``SaveFailedError`` (with every rank's failure)
         on every rank."""
         rank = self.training.rank_info.rank
+        from torch.distributed.checkpoint.api import CheckpointException
+
         result: _T | None = None
         failure: Failure | None = None
         try:
@@ -302,6 +307,8 @@ def load(
     A resume continues the saved run: the config must allow it (``check_resumable``), then the
     model and optimizer state, every ``Stateful``, the random streams and (inside an accumulation
     window) the partial gradients are restored."""
+    from spikingsail.checkpoint import dcp_io
+
     path, saved = _choose(training, load_dir, tag)
     saved_world = int(saved["world_size"])
     rank, world_size = training.rank_info.rank, training.rank_info.world_size
@@ -369,6 +376,8 @@ def _choose(training: TrainingState, load_dir: str | Path, tag: str | None) -> t
 def _read_engine_file(path: Path) -> dict[str, Any]:
     """A checkpoint's ``engine.pt``, which must be a dict (its hash matched the manifest: one that is
     not was written so, not damaged on disk)."""
+    from spikingsail.checkpoint import dcp_io
+
     saved = dcp_io.load_weights_only(path / "engine.pt")
     if not isinstance(saved, dict):
         raise CheckpointError(f"{path / 'engine.pt'} is not a SpikingSail engine file",
@@ -428,6 +437,8 @@ def _engine_file(
 
 
 def _files_written_by(staging: Path, rank: int, backend: StateBackend) -> list[Path]:
+    from spikingsail.checkpoint import dcp_io
+
     own = [staging / "rng" / f"rank{rank}.pt", staging / "grads" / f"rank{rank}.pt",
            staging / "rank_buffers" / f"rank{rank}.pt", *backend.own_state_files(staging / STATE_DIR, rank)]  # fmt: skip
     if rank == 0:

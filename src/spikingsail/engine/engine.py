@@ -18,19 +18,16 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from spikingsail.backends.base import Backend
-from spikingsail.checkpoint import dcp_io, engine_state, export, faults
+from spikingsail.checkpoint import engine_state, faults
 from spikingsail.checkpoint.engine_state import TrainingState, merged_state_dict
 from spikingsail.checkpoint.lock import JobLock, fence
 from spikingsail.checkpoint.store import CheckpointStore
@@ -63,6 +60,9 @@ from spikingsail.snn.encoding import encode
 from spikingsail.snn.support import SpikingSupport
 from spikingsail.snn.syncbn import convert_sync_batchnorm
 from spikingsail.tensors import map_tensors
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
 
 log = logging.getLogger(__name__)
 
@@ -317,6 +317,8 @@ class Engine:
             yield from (value for value in state.values() if isinstance(value, torch.Tensor))
 
     def _load_live_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.tensor import DTensor
+
         own = self.module.state_dict()
         if any(isinstance(value, DTensor) for value in own.values()):
             # fsdp: the shards of a counterpart rank, copied into this rank's own
@@ -332,6 +334,8 @@ class Engine:
     def _sharded_optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """An optimizer state of local shards (``_live_state``) made DTensors again, laid out as this
         rank's parameters (this optimizer may not have stepped yet: it has no state to copy into)."""
+        from torch.distributed.tensor import DTensor
+
         parameters = list(self._parameters())  # the order optimizer.state_dict() numbers them in
         for index, entry in state["state"].items():
             parameter = parameters[index]
@@ -781,6 +785,10 @@ class Engine:
         if pending is None:
             return
         handle, pending_stops = pending
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from spikingsail.checkpoint import dcp_io
+
         try:
             handle.wait()
         except CheckpointError as err:
@@ -811,6 +819,8 @@ class Engine:
         ``torch.bfloat16`` or ``torch.float16`` for the half-size file). Keys are the model's own
         (no ``module.`` prefix).
         """
+        from spikingsail.checkpoint import export
+
         if dtype not in export.DTYPES.values():
             raise SailError(f"save_model(dtype={dtype}): not a floating dtype a model is saved in",
                             fix="use torch.float32, torch.bfloat16 or torch.float16")  # fmt: skip

@@ -8,12 +8,14 @@ them back from the whole dict.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.stateful import Stateful
 
 from spikingsail.data.loader import ShardedLoader
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
 
 
 @dataclass(kw_only=True)

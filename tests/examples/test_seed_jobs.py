@@ -94,10 +94,12 @@ def test_imagenet_trainer_as_seed_002_starts_it_with_torchrun_resumes_each_epoch
 def test_imagenet_trainer_trains_a_spiking_sew_resnet_under_sail_launch(
     digits_folder: Path, tmp_path: Path
 ) -> None:
+    # The trainer seeds nothing, as seed 002's does not. After 2 epochs val top-1 ranged 0.68-0.82 over
+    # 7 runs (one below 0.7 failed a CI run); after 3, 0.92-0.95 over 6.
     result = run([str(BIN / "sail"), "launch", "-n", "2", str(IMAGENET), str(digits_folder), "--arch", "sew_resnet18",
-                  "--T", "2", "--epochs", "2", "--lr", "0.05", "--out", "sew.pt", *IMAGENET_FLAGS], tmp_path)  # fmt: skip
+                  "--T", "2", "--epochs", "3", "--lr", "0.05", "--out", "sew.pt", *IMAGENET_FLAGS], tmp_path)  # fmt: skip
     top1 = float(re.findall(r"final: val top-1 ([0-9.]+) .*sew_resnet18", result.stdout)[0])
-    assert top1 >= 0.7, result.stdout
+    assert top1 >= 0.85, result.stdout
     weights = torch.load(tmp_path / "sew.pt", weights_only=True)
     load(IMAGENET).build_model("sew_resnet18", 10).load_state_dict(weights)
 

@@ -32,7 +32,7 @@ from spikingsail.environments import RankInfo
 from tests.cgroups import cpu_quota_group
 from tests.multiprocess import run_ranks
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.alone, pytest.mark.speed]
 
 GLOBAL_MICRO = 512  # two ranks × 256: compute well above the all-reduce's time
 UNTHROTTLE_AT = 14

@@ -29,7 +29,7 @@ from torch.utils.data import TensorDataset
 import spikingsail
 from tests.multiprocess import run_ranks
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.alone, pytest.mark.speed]
 WINDOW = 20
 MICRO = 128
 

@@ -22,7 +22,7 @@ from spikingsail.launchers.replicas import ReplicaPlan, free_port, plan_replica_
 from spikingsail.launchers.request import parse_request
 from tests.cluster.harness import processes_with
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.alone, pytest.mark.lane2]
 
 WORKER = Path(__file__).with_name("replica_worker.py")
 SAIL = [sys.executable, "-m", "spikingsail.cli.main", "launch"]

@@ -34,3 +34,25 @@ def test_a_checkpoint_from_before_backend_sections_resumes() -> None:
     saved = {k: v for k, v in current.items() if k != "backend_sections"}
     assert current["backend_sections"] == {}
     check_resumable(Path("ck"), saved, current, partial_window=False, with_optimizer=True)
+
+
+def test_a_key_added_after_the_save_counts_as_saved_with_its_default() -> None:
+    """A version that did not have a key ran as its default: a checkpoint it wrote resumes while the key
+    keeps that default, and is refused, naming the key and the default, when the run sets another."""
+    current = as_saved(BASE)
+    older = json.loads(json.dumps(current))
+    del older["snn"]["encoding"], older["gradient_clipping"]  # keys that shape the training
+    check_resumable(Path("ck"), older, current, partial_window=False, with_optimizer=True)
+    changed = as_saved({**BASE, "snn": {"encoding": "poisson"}})
+    with pytest.raises(CheckpointError, match=r"snn\.encoding: saved <unset> \(a version before snn\.encoding, "
+                                              r'which ran as its default "repeat"\), now "poisson"'):  # fmt: skip
+        check_resumable(Path("ck"), older, changed, partial_window=False, with_optimizer=True)
+
+
+def test_a_section_added_after_the_save_counts_as_its_defaults() -> None:
+    current = as_saved(BASE)
+    older = {k: v for k, v in current.items() if k != "snn"}
+    check_resumable(Path("ck"), older, current, partial_window=False, with_optimizer=True)
+    with pytest.raises(CheckpointError, match=r"snn\.reset: saved <unset>"):
+        check_resumable(Path("ck"), older, as_saved({**BASE, "snn": {"reset": "off"}}), partial_window=False,
+                        with_optimizer=True)  # fmt: skip

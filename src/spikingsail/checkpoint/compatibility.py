@@ -7,15 +7,20 @@ The split of ``train_batch_size`` over processes, micro-batches and accumulation
 re-counts its micro-steps so that the next optimizer step takes the next ``train_batch_size`` samples
 of the global order, whatever the split. Settings of where and how the run is kept (checkpoints,
 logging, timeouts, the backend among those sharing a checkpoint format, ZeRO stage) may change freely.
+A key the saved run's version did not have yet counts as saved with its default, which is what that
+version did: adding a key never makes an older checkpoint refuse to resume unless the run sets it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from spikingsail.config.schema import SailConfig
 from spikingsail.errors import CheckpointError
 
 SPLIT = ("world_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -66,7 +71,7 @@ def check_resumable(
         exempt += _TIME_CHUNKS  # exact chunks spend memory differently, they compute the same
     if not partial_window:
         exempt += SPLIT
-    differences = list(_differences(saved, current, "", exempt))
+    differences = list(_differences(saved, current, _defaults(), "", exempt))
     if not differences:
         return
     window_only = all(d.split(":", 1)[0] in _WINDOW for d in differences)
@@ -87,16 +92,37 @@ def check_resumable(
     )
 
 
-def _differences(saved: Any, current: Any, prefix: str, exempt: tuple[str, ...]) -> Iterator[str]:
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    """Every key's default, as a checkpoint keeps a config (``asdict`` through JSON)."""
+    config = SailConfig(train_batch_size=1, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
+                        world_size=1)  # fmt: skip
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))  # type: ignore[no-any-return]
+
+
+def _differences(
+    saved: Any, current: Any, default: Any, prefix: str, exempt: tuple[str, ...]
+) -> Iterator[str]:
     """``key: saved X, now Y`` for every differing key outside ``exempt``, sections compared key by
-    key while both sides are sections."""
+    key while both sides are sections; a key missing from the saved config counts as its default."""
     if (saved is _UNSET and current == {}) or (current is _UNSET and saved == {}):
         return  # an empty section is what a checkpoint from before the section existed has
+    if saved is _UNSET and default is not _UNSET and not isinstance(default, dict):
+        if default != current:
+            name = prefix.rstrip(".")
+            yield f"{name}: saved <unset> (a version before {name}, which ran as its default {_show(default)}), now {_show(current)}"
+        return
     if isinstance(saved, dict) and isinstance(current, dict):
+        defaults = default if isinstance(default, dict) else {}
         for key in sorted(set(saved) | set(current)):
             name = f"{prefix}{key}"
             if not _under(name, exempt):
-                yield from _differences(saved.get(key, _UNSET), current.get(key, _UNSET), f"{name}.", exempt)
+                yield from _differences(saved.get(key, _UNSET), current.get(key, _UNSET), defaults.get(key, _UNSET),
+                                        f"{name}.", exempt)  # fmt: skip
+    elif saved is _UNSET and isinstance(default, dict) and isinstance(current, dict):
+        yield from _differences(
+            {}, current, default, prefix, exempt
+        )  # a section added since: its keys' defaults
     elif saved != current:
         yield f"{prefix.rstrip('.')}: saved {_show(saved)}, now {_show(current)}"
 

@@ -28,6 +28,10 @@ PRELOAD = [
     "torch.nn.functional",
     "spikingsail",
     "spikingsail.engine.engine",
+    # the engine imports these when it first needs them: torch's optimizers import dynamo (and through
+    # it FSDP and DTensor) on construction, and a checkpoint needs torch.distributed.checkpoint
+    "torch._dynamo",
+    "torch.distributed.checkpoint",
     "tests.multiprocess",
 ]
 multiprocessing.set_forkserver_preload(PRELOAD)

@@ -110,7 +110,8 @@ def _differences(
     if saved is _UNSET and default is not _UNSET and not isinstance(default, dict):
         if default != current:
             name = prefix.rstrip(".")
-            yield f"{name}: saved <unset> (a version before {name}, which ran as its default {_show(default)}), now {_show(current)}"
+            before = f"a version before {name}, which ran as its default {_show(default)}"
+            yield f"{name}: saved <unset> ({before}), now {_show(current)}"
         return
     if isinstance(saved, dict) and isinstance(current, dict):
         defaults = default if isinstance(default, dict) else {}
@@ -120,9 +121,8 @@ def _differences(
                 yield from _differences(saved.get(key, _UNSET), current.get(key, _UNSET), defaults.get(key, _UNSET),
                                         f"{name}.", exempt)  # fmt: skip
     elif saved is _UNSET and isinstance(default, dict) and isinstance(current, dict):
-        yield from _differences(
-            {}, current, default, prefix, exempt
-        )  # a section added since: its keys' defaults
+        # a section added since the save: each of its keys counts as saved with its default
+        yield from _differences({}, current, default, prefix, exempt)
     elif saved != current:
         yield f"{prefix.rstrip('.')}: saved {_show(saved)}, now {_show(current)}"
 

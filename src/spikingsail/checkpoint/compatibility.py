@@ -92,12 +92,16 @@ def check_resumable(
     )
 
 
+def as_saved(config: SailConfig) -> dict[str, Any]:
+    """``config`` in the form a checkpoint keeps it (``asdict`` through JSON), which resumes compare."""
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))  # type: ignore[no-any-return]
+
+
 @functools.cache
 def _defaults() -> dict[str, Any]:
-    """Every key's default, as a checkpoint keeps a config (``asdict`` through JSON)."""
-    config = SailConfig(train_batch_size=1, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
-                        world_size=1)  # fmt: skip
-    return json.loads(json.dumps(dataclasses.asdict(config), default=str))  # type: ignore[no-any-return]
+    """Every key's default, as a checkpoint keeps a config."""
+    return as_saved(SailConfig(train_batch_size=1, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
+                               world_size=1))  # fmt: skip
 
 
 def _differences(

@@ -17,7 +17,6 @@ directory can never run code on load.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import random
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from spikingsail.checkpoint.compatibility import check_resumable
+from spikingsail.checkpoint.compatibility import as_saved, check_resumable
 from spikingsail.checkpoint.faults import FULL_BYTES, Failure, estimate_bytes, free_bytes, save_error
 from spikingsail.checkpoint.lock import fence
 from spikingsail.checkpoint.store import CheckpointStore, seal
@@ -211,9 +210,9 @@ class _Saving:
     def agree(self, action: Callable[[], _T]) -> _T:
         """``action()`` on every rank; if it failed on any, ``SaveFailedError`` (with every rank's failure)
         on every rank."""
-        rank = self.training.rank_info.rank
         from torch.distributed.checkpoint.api import CheckpointException
 
+        rank = self.training.rank_info.rank
         result: _T | None = None
         failure: Failure | None = None
         try:
@@ -313,7 +312,7 @@ def load(
     saved_world = int(saved["world_size"])
     rank, world_size = training.rank_info.rank, training.rank_info.world_size
     partial_window = bool(saved["micro_steps"] % saved["gradient_accumulation_steps"])
-    current = json.loads(json.dumps(dataclasses.asdict(training.config), default=str))
+    current = as_saved(training.config)
     saved_config = json.loads(saved["config"]) if "config" in saved else {}
     check_resumable(path, saved_config, current, partial_window=partial_window,
                     with_optimizer=training.optimizer is not None)  # fmt: skip
@@ -431,7 +430,7 @@ def _engine_file(
         "world_size": training.rank_info.world_size,
         "backend": training.backend.name,
         "state_format": training.backend.checkpoint_format,
-        "config": json.dumps(dataclasses.asdict(training.config), default=str),
+        "config": json.dumps(as_saved(training.config)),
         "client_state": client_state,
     }
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import pytest
 
 from spikingsail.backends import load_config
+from spikingsail.checkpoint import compatibility
 from spikingsail.checkpoint.compatibility import check_resumable
 from spikingsail.errors import CheckpointError
 
@@ -17,8 +17,8 @@ BASE = {"train_micro_batch_size_per_gpu": 2, "sail": {"backend": "horovod"}}
 
 
 def as_saved(raw: dict[str, Any]) -> dict[str, Any]:
-    """The config the way a checkpoint keeps it (engine_state saves asdict through JSON)."""
-    return json.loads(json.dumps(dataclasses.asdict(load_config(raw, world_size=2)), default=str))
+    """The config of ``raw`` at 2 processes, the way a checkpoint keeps it."""
+    return compatibility.as_saved(load_config(raw, world_size=2))
 
 
 def test_a_backend_sections_change_is_named() -> None:

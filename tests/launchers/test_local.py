@@ -280,6 +280,31 @@ def test_a_sail_error_of_one_rank_is_the_failure_reason(tmp_path: Path) -> None:
     assert "raise ChildFailedError(" in debug.stderr
 
 
+def test_a_crashed_rank_shows_where_each_thread_was_not_the_extension_modules(tmp_path: Path) -> None:
+    script = tmp_path / "crash.py"
+    script.write_text(
+        "import faulthandler, os, threading, time, numpy\n"
+        "faulthandler.enable()\n"
+        "def waiting_helper():\n"
+        "    time.sleep(60)\n"
+        "def crash_here():\n"
+        "    time.sleep(0.5)\n"
+        "    os.abort()\n"
+        "threading.Thread(target=waiting_helper, daemon=True).start()\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    crash_here()\n"
+        "time.sleep(60)\n"
+    )
+    result = run_sail("launch", "-n", "2", str(script), cwd=tmp_path)
+    assert result.returncode != 0
+    reason = result.stderr[result.stderr.rindex("sail launch: ") :].splitlines()
+    assert "rank 1 (local rank 1) exited with -6 (SIGABRT); the rank crashed:" in reason[0], reason
+    assert reason[1] == "    Fatal Python error: Aborted", reason
+    assert any(line.endswith("line 7 in crash_here") for line in reason), reason
+    assert any(line.endswith("line 4 in waiting_helper") for line in reason), reason
+    assert not any("Extension modules" in line for line in reason), reason
+
+
 @pytest.mark.multiprocess
 def test_an_engine_config_invalid_on_one_rank_is_the_failure_reason(tmp_path: Path) -> None:
     script = tmp_path / "bad_config.py"

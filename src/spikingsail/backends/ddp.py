@@ -150,7 +150,11 @@ class DDPBackend(ProcessGroupBackend):
         return optimizer
 
     def teardown(self) -> None:
-        self.zero = None
+        if self.zero is not None:
+            # ZeRO-1's optimizer holds the group too and outlives the engine in user code (the
+            # optimizer run() returned): the same exit crash as the reducer's below.
+            del self.zero.process_group
+            self.zero = None
         if self._eval_hook is not None:
             self._eval_hook.remove()
             self._eval_hook = None
@@ -196,9 +200,26 @@ def _zero_redundancy(optimizer: torch.optim.Optimizer, where: str) -> ZeroRedund
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     # The given optimizer's own group dicts, not copies: a scheduler (or anything else) bound to the
     # given optimizer changes hyper-parameters that ZeRO steps with.
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    return _zero_redundancy_class()(optimizer.param_groups, optimizer_class=cls, **defaults)
 
-    return ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=cls, **defaults)
+
+def _zero_redundancy_class() -> type[ZeroRedundancyOptimizer]:
+    """torch's ZeroRedundancyOptimizer, imported here (after the group exists) without it keeping the group.
+
+    The module's ``_broadcast_object`` takes ``group=dist.group.WORLD`` as a default, evaluated at
+    import: imported while a group exists, the function holds that group for the life of the
+    process, and its gloo threads, alive past destroy_process_group, crash the exit with SIGABRT
+    (pytorch/pytorch#190489). ``None`` is the default group to torch.distributed as well, looked
+    up when called; every caller in torch passes the group anyway.
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer, zero_redundancy_optimizer
+
+    function = zero_redundancy_optimizer._broadcast_object  # type: ignore[attr-defined]  # private, not in stubs
+    if function.__defaults__ is not None:
+        function.__defaults__ = tuple(
+            None if isinstance(value, dist.ProcessGroup) else value for value in function.__defaults__
+        )
+    return ZeroRedundancyOptimizer
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from spikingsail.backends.process_group import (
     ProcessGroupBackend,
     dist_backend_for,
+    forget_groups,
     init_default_group,
     rendezvous_store,
 )
@@ -335,6 +336,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
         if self.ds is not None:
             with contextlib.suppress(Exception):
                 self.ds.destroy()
+            forget_groups(self.ds, self.ds.optimizer, *self.ds.module.parameters())
             self.ds = None
         if self._owns_group and "deepspeed" in sys.modules:
             # Through DeepSpeed, which also drops the groups it cloned from this one: torch's own

@@ -180,6 +180,24 @@ def rendezvous_store(rank_info: RankInfo, timeout: datetime.timedelta) -> Store:
     return PrefixStore(f"spikingsail/attempt{rank_info.restart_count}/join{next(_JOINS)}", store)
 
 
+def forget_groups(*holders: object) -> None:
+    """Drop every process group (or list of them) the holders keep in their attributes.
+
+    A framework's objects (DeepSpeed's engine and optimizer, the ``_dp_group`` it puts on each
+    parameter) outlive the engine in user code; a group they keep outlives destroy_process_group,
+    and its gloo threads crash the interpreter's exit with SIGABRT (pytorch/pytorch#190489). Call
+    it once the holders are done communicating.
+    """
+    for holder in holders:
+        attributes = getattr(holder, "__dict__", None)
+        if attributes is None:
+            continue
+        for name, value in list(attributes.items()):
+            values = value if isinstance(value, (list, tuple)) and value else (value,)
+            if all(isinstance(item, dist.ProcessGroup) for item in values):
+                del attributes[name]
+
+
 def leave_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

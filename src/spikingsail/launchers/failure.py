@@ -34,6 +34,13 @@ _RAISED = re.compile(r"^(?P<prefix>.*?)spikingsail(?:\.\w+)*\.(?P<message>\w*Err
 # What may stand before the message on its first line: torchrun's summary field, a log header.
 _LEAD = re.compile(r"^\s*(?:traceback\s*:\s*|\[(?:rank\d+|sail)\](?: \d\d:\d\d:\d\d \w+ [\w.]+:)? )")
 _CONTINUATION = "       "  # SailError fields that span lines continue under their text
+# faulthandler's report of a crash (the engine enables it): "Fatal Python error: Aborted", then every
+# thread's stack, then one long line of loaded extension modules, which says nothing about the crash.
+_FATAL = re.compile(r"^(?P<prefix>.*?)Fatal Python error: ")
+_MODULES = "Extension modules: "
+# What C++ printed just before aborting: "terminate called after throwing ...", "  what():  ..."
+_ABORT_CAUSE = re.compile(r"terminate called|what\(\):")
+CRASH_LINES = 60
 
 
 def reported_error(lines: list[str]) -> str | None:
@@ -49,6 +56,23 @@ def reported_error(lines: list[str]) -> str | None:
         else:
             continue
         return "\n".join([first, *_fields(lines[index + 1 :], prefix)])
+    return None
+
+
+def crash_report(lines: list[str]) -> list[str] | None:
+    """The first crash faulthandler reported in a rank's output (the error, what C++ said just before
+    it, every thread's stack; not the extension modules), or None."""
+    for index, line in enumerate(lines):
+        if _FATAL.match(line) is None:
+            continue
+        start = index
+        while start > 0 and index - start < 3 and _ABORT_CAUSE.search(lines[start - 1]):
+            start -= 1
+        end = next((i for i in range(index, len(lines)) if _MODULES in lines[i]), len(lines))
+        report = lines[start:end]
+        while report and not report[-1].strip():
+            report.pop()
+        return report[:CRASH_LINES]
     return None
 
 
@@ -86,7 +110,8 @@ class Failure:
 
     def describe(self) -> str:
         """Which node and rank failed, as the launcher that saw it reports it, and then the rank's
-        own message when it stopped on one of SpikingSail's errors, else the last lines printed."""
+        own message when it stopped on one of SpikingSail's errors, or the Python stacks when it
+        crashed (SIGABRT, SIGSEGV), else the last lines printed."""
         if self.lost is not None:
             return (
                 f"lost node {self.host}: no answer for {self.lost:.0f} s on the heartbeat connection (the node "
@@ -97,6 +122,10 @@ class Failure:
         reported = reported_error(lines)
         if reported is not None:
             return f"{who}; the rank's error:\n{reported}"
+        crash = crash_report(lines)
+        if crash is not None:
+            shown = "\n".join(f"    {line}" for line in crash)
+            return f"{who}; the rank crashed:\n{shown}"
         shown = "\n".join(f"    {line}" for line in lines[-12:])
         return f"{who}; its last output:\n{shown}"
 

@@ -94,6 +94,10 @@ def _allowed(spec: dataclasses.Field[Any]) -> str:
     allowed = spec.metadata.get("range")
     if allowed is not None:
         return str(allowed.describe())
+    if spec.metadata.get("parse") == "trackers":
+        from spikingsail.monitor.trackers import TRACKERS
+
+        return " | ".join(f'"{name}"' for name in TRACKERS) + " (a list)"
     literal = _literal_values(annotation)
     if literal:
         return literal + (" (any case)" if spec.metadata.get("any_case") else "")
@@ -125,14 +129,12 @@ def config_rows() -> list[Row]:
     for key in parse._SCALARS:
         spec = top_fields[key]
         rows.append(Row(key, str(spec.type), _default(spec), _allowed(spec), top.get(key, "")))
-    sections = {**{k: v for k, (v, _) in parse._SECTIONS.items()}, **config_sections()}
-    aliases = {"bfloat16": "bf16"}
-    for name, cls in sections.items():
-        if name in aliases:
-            rows.append(
-                Row(f"{name}.*", "section", "", "", f"Another name for the `{aliases[name]}` section.")
-            )
-            continue
+    for name, found in parse._SECTIONS.items():
+        if name != found.field:
+            rows.append(Row(f"{name}.*", "section", "", "", f"Another name for the `{found.field}` section."))
+        elif name != "zero_optimization":  # DeepSpeed's keys, below
+            rows.extend(_section_rows(name, found.cls))
+    for name, cls in config_sections().items():
         rows.extend(_section_rows(name, cls))
     rows.append(Row("zero_optimization", "bool or section", "false", "true | false | {...}",
                     "DeepSpeed's legacy form: true is stage 1; or a section of the keys below."))  # fmt: skip
@@ -157,11 +159,12 @@ def cli_parsers() -> dict[str, argparse.ArgumentParser]:
     """Every ``sail`` subcommand's parser, and the flags a training script gets from the engine."""
     from spikingsail.cli import bench, checkpoint, doctor, report
     from spikingsail.engine.initialize import add_config_arguments
-    from spikingsail.launchers import request, sbatch
+    from spikingsail.launchers import k8s, request, sbatch
 
     parsers = {
         "sail launch": request.parser(),
         "sail submit": sbatch.parser(),
+        "sail submit --target k8s": k8s.parser(),
         "sail doctor": doctor.parser(),
         "sail bench comm": bench.comm_parser(),
         "sail report": report.parser(),

@@ -5,7 +5,8 @@ Every generated input either is refused with one clear message (exit status 2, n
 anything starts, or is accepted; and what is accepted is accepted by the later stages too: torchrun
 (its own parser and checks, ``tests/launchers/peers.py``) for every command that would start it, ssh
 (``ssh -G``) for every ssh command, the engine's config loader at the world size torchrun would give,
-the benchmark job's own parser, and DeepSpeed's hostfile parser for files in its format. The commands
+the benchmark job's own parser, DeepSpeed's hostfile parser for files in its format, and the Kubeflow
+SDK's own PyTorchJob models for every manifest of ``sail submit --target k8s``. The commands
 are read through their dry runs (``--dry-run``); the doctor, which has none, through the reading of
 its flags that precedes every check."""
 
@@ -18,11 +19,13 @@ import re
 import shlex
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from deepspeed.launcher.runner import fetch_hostfile
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
+from kubeflow.training.api_client import ApiClient as KubeflowClient
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.run import get_args_parser
 
@@ -109,6 +112,18 @@ SUBMIT = {
     "--master-port": PORTS,
     "-t": st.sampled_from(["4:00:00", "1-0", "x\ny"]),
     "--dist-init-method": st.sampled_from(["torchrun", "slurm", "x"]),
+}
+K8S = {
+    "--image": st.one_of(st.just("ghcr.io/me/trainer:1"), TEXT),
+    "-N": mostly("1", "3"),
+    "--gpus-per-node": mostly("0", "8"),
+    "--nproc-per-node": mostly("1", "4"),
+    "-J": st.one_of(st.sampled_from(["train", "Train_X", "a" * 60, "x-"]), TEXT),
+    "--namespace": st.one_of(st.just("research"), TEXT),
+    "--env": st.one_of(st.just("NCCL_DEBUG=INFO"), TEXT),
+    "--workdir": st.one_of(st.just("/app"), TEXT),
+    "--master-port": PORTS,
+    "--max-restarts": mostly("0", "2"),
 }
 BENCH = {
     "-b": mostly("1K", "64M", bad=st.one_of(NUMBERS, st.just("3Q"))),
@@ -224,6 +239,37 @@ def test_launch(workdir: Path, argv: list[str], script_args: list[str]) -> None:
         return
     request = parse_request([*argv, "train.py", *script_args])
     later_stages_accept(request, planned(request))
+
+
+@fuzz(120)
+@given(argv=flags(K8S, most=5), script_args=SCRIPT_ARGS)
+@example(argv=["--namespace", "Research", "-J", "-x"], script_args=[])
+def test_submit_k8s(workdir: Path, argv: list[str], script_args: list[str]) -> None:
+    status, text, err = sail(
+        [
+            "submit",
+            "--target",
+            "k8s",
+            "--image",
+            "ghcr.io/me/trainer:1",
+            "--dry-run",
+            *argv,
+            "train.py",
+            *script_args,
+        ]
+    )
+    if status != 0:
+        refused_clearly("submit", status, err)
+        return
+    manifest = json.loads(text)  # what is accepted is a PyTorchJob of the Kubeflow SDK's own models
+    client = KubeflowClient()
+    job = client.deserialize(SimpleNamespace(data=text), "KubeflowOrgV1PyTorchJob")
+    assert client.sanitize_for_serialization(job) == manifest
+    names = [
+        manifest["metadata"]["name"],
+        *([manifest["metadata"]["namespace"]] if "namespace" in manifest["metadata"] else []),
+    ]
+    assert all(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", n) and len(n) <= 63 for n in names), names
 
 
 @fuzz(120)

@@ -20,42 +20,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from spikingsail.config.schema import SailConfig
+from spikingsail.config.schema import SailConfig, keys_where
 from spikingsail.errors import CheckpointError
 
-SPLIT = ("world_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+SPLIT = keys_where("split")
 """How train_batch_size is divided: may change on a step boundary (re-counted exactly)."""
 _WINDOW = (*SPLIT, "sail.backend")
 """What a save inside an accumulation window ties the resume to: its partial gradients are the
 saved ranks' and micro-batches', held as the saved backend holds them (plain tensors; FSDP's are
 sharded DTensors)."""
-FREE = (
-    "checkpoint",
-    "steps_per_print",
-    "sail.backend",  # within one checkpoint format (checked separately)
-    "sail.dist_backend",
-    "sail.progress_bar",
-    "sail.metrics_path",
-    "sail.timeout_minutes",
-    "sail.find_unused_parameters",
-    "sail.move_inputs_to_device",
-    "sail.deterministic",
-    "sail.balance",  # how a global micro-batch is split over ranks: every split takes the same step
-    "sail.rebalance_factor",
-    "sail.straggler_window",
-    "sail.straggler_factor",
-    "sail.hang_timeout_seconds",
-    "sail.trackers",
-    "sail.log_dir",
-    "zero_optimization",  # how state is sharded, not what it is
-    "fault_tolerance",  # timeouts and quorum sizes of replica groups
-    "fp16.auto_cast",
-    "source",
-    "inert_keys",
-    "raw",
-)
-"""Keys (and sections) that change where or how the run is kept, not what it computes."""
-_TIME_CHUNKS = ("snn.time_chunk", "snn.memory_budget_mb", "snn.chunk_batchnorm")
+FREE = keys_where("free")
+"""Keys (and sections) that change where or how the run is kept, not what it computes; the backend
+only within one checkpoint format (checked separately)."""
+_TIME_CHUNKS = keys_where("chunks")
 """Free unless batch norm is normalised per chunk on either side: then the chunks shape the model."""
 _EXEMPT_WITHOUT_OPTIMIZER = ("optimizer",)
 _UNSET = object()

@@ -17,7 +17,8 @@ SpikingSail {__version__}: distributed training of conventional and spiking PyTo
 commands:
   launch     start a training script under torchrun: here (-n 2), on a hostfile's nodes (-H), with
              mpirun, or with srun inside a SLURM allocation
-  submit     write an sbatch script for a training script and submit it to SLURM
+  submit     write an sbatch script (SLURM) or, with --target k8s, a Kubeflow PyTorchJob (Kubernetes)
+             for a training script and submit it
   doctor     check this machine (-H: every node of a hostfile) for the set-up mistakes that make
              jobs fail or hang, with a fix for each
   bench      measure things: `sail bench comm` times all-reduce, all-gather and broadcast

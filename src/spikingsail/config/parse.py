@@ -18,22 +18,17 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from spikingsail.checks import FLOAT32_MAX, INT64_MAX, Range, check_number, reject_unknown
 from spikingsail.config.schema import (
-    BF16Config,
-    CheckpointConfig,
-    FaultToleranceConfig,
-    FP16Config,
-    OptimizerConfig,
+    BATCH_KEYS,
     SailConfig,
-    SailSection,
-    SchedulerConfig,
-    SNNConfig,
+    scalars,
+    sections,
 )
 from spikingsail.config.zero import build_zero
 from spikingsail.errors import ConfigError
+from spikingsail.monitor.trackers import TRACKERS
 from spikingsail.optim.optimizers import resolve_optimizer
 from spikingsail.optim.schedulers import check_scheduler
 
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _BATCH_RANGE = Range(1, INT64_MAX, integer=True, why="batch sizes and steps are ≥ 1, and the loss is divided "
                      "by the accumulation steps as an int64")  # fmt: skip
 
@@ -72,25 +67,13 @@ INERT_DEEPSPEED_KEYS = frozenset(
     }
 )
 
-# The config table: every top-level section, its dataclass, and whether DeepSpeed reads it too
-# (the deepspeed backend hands DeepSpeed the file without the sections it does not).
-_SECTIONS: dict[str, tuple[type[Any], bool]] = {
-    "fp16": (FP16Config, True),
-    "bf16": (BF16Config, True),
-    "bfloat16": (BF16Config, True),
-    "optimizer": (OptimizerConfig, True),
-    "scheduler": (SchedulerConfig, True),
-    "sail": (SailSection, False),
-    "checkpoint": (CheckpointConfig, False),  # DeepSpeed's keys in it are accepted; SpikingSail saves
-    "snn": (SNNConfig, False),
-    "fault_tolerance": (FaultToleranceConfig, False),
-}
-_SCALARS: dict[str, type[Any]] = {
-    "gradient_clipping": float,
-    "steps_per_print": int,
-}
-TOP_LEVEL_KEYS = frozenset({*BATCH_KEYS, *_SECTIONS, *_SCALARS, "zero_optimization"})
-NOT_FOR_DEEPSPEED = frozenset(name for name, (_, ds) in _SECTIONS.items() if not ds)
+# The config table, from SailConfig's fields: every top-level section (by each name it may have),
+# its dataclass and whether DeepSpeed reads it too (the deepspeed backend hands DeepSpeed the file
+# without the sections it does not), and the keys of one value.
+_SECTIONS = sections()
+_SCALARS = scalars()
+TOP_LEVEL_KEYS = frozenset({*BATCH_KEYS, *_SECTIONS, *_SCALARS})
+NOT_FOR_DEEPSPEED = frozenset(name for name, found in _SECTIONS.items() if not found.deepspeed)
 """The table's sections the deepspeed backend leaves out of what it hands ``deepspeed.initialize``
 (with every backend's own section: DeepSpeed reads none of them)."""
 _NO_SECTIONS: Mapping[str, type[Any]] = types.MappingProxyType({})
@@ -111,19 +94,21 @@ def load_config(
     reject_unknown(
         raw, TOP_LEVEL_KEYS | backend_sections.keys() | INERT_DEEPSPEED_KEYS, where, "the top level"
     )
-    if "bf16" in raw and "bfloat16" in raw:
-        raise ConfigError(
-            f"{where}: both 'bf16' and 'bfloat16' are set",
-            "they are two spellings of the same section",
-            "keep only 'bf16'",
-        )
-    sections = {
-        name.replace("bfloat16", "bf16"): _build(cls, raw[name], where, name)
-        for name, (cls, _) in _SECTIONS.items()
-        if name in raw
+    for canonical in {found.field for found in _SECTIONS.values()}:
+        spelled = [name for name, found in _SECTIONS.items() if found.field == canonical and name in raw]
+        if len(spelled) > 1:
+            raise ConfigError(
+                f"{where}: both {' and '.join(map(repr, spelled))} are set",
+                "they are two spellings of the same section",
+                f"keep only '{canonical}'",
+            )
+    given = {
+        found.field: _build(found.cls, raw[name], where, name)
+        for name, found in _SECTIONS.items()
+        if name in raw and found.field != "zero_optimization"  # DeepSpeed's rules: config.zero
     }
     top = {f.name: f for f in dataclasses.fields(SailConfig)}
-    scalars = {
+    values = {
         name: _value(raw[name], kind, top[name], where, name)
         for name, kind in _SCALARS.items()
         if name in raw
@@ -141,8 +126,8 @@ def load_config(
         },
         source=where,
         raw=raw,
-        **sections,
-        **scalars,
+        **given,
+        **values,
     )
     _check_semantics(config)
     return config
@@ -269,6 +254,8 @@ def _value(value: Any, hint: Any, declared: dataclasses.Field[Any], where: str, 
         return _balance(value, where, key)
     if declared.metadata.get("parse") == "time_chunk":
         return _time_chunk(value, where, key)
+    if declared.metadata.get("parse") == "trackers":  # the names of the trackers' registry
+        return _coerce(value, tuple[Literal[TRACKERS], ...], where, key)  # type: ignore[valid-type]
     if declared.metadata.get("any_case") and isinstance(value, str):  # a choice spelled in any case
         value = next((a for a in _literal_args(hint) if a.lower() == value.lower()), value)
     # every float is at least finite: NaN would turn a check like "clip when > 0" silently off

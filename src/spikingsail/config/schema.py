@@ -8,13 +8,14 @@ user input.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Literal, get_args, get_type_hints
 
 from spikingsail.checks import FLOAT32_MAX, INT64_MAX, Range
 
 MAX_TIMEOUT_MINUTES = 100 * 365 * 24 * 60
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # The consumers' bounds, with the reason a message gives when a value is outside them.
 _LOSS_SCALE = Range(
     0, FLOAT32_MAX, fix="0, or e.g. 128",
@@ -48,14 +49,44 @@ _CLIPPING = Range(
 )  # fmt: skip
 
 
-def ranged(default: Any, allowed: Range) -> Any:
+# What a key may do between the run that saved a checkpoint and the run that resumes it (a field's
+# metadata "resume"; checkpoint.compatibility derives its lists from it):
+Resume = Literal["fixed", "free", "split", "chunks"]
+"""fixed: it shapes the training, so a resume needs the saved value (the default for every key);
+free: where and how the run is kept, or how it is watched (may change);
+split: how train_batch_size is divided over processes and micro-steps (may change on a step boundary);
+chunks: how a forward is chunked in time (may change, unless batch norm is normalised per chunk)."""
+
+
+def ranged(default: Any, allowed: Range, *, resume: Resume = "fixed") -> Any:
     """A field whose JSON value ``spikingsail.config.parse`` checks against ``allowed``."""
-    return field(default=default, metadata={"range": allowed})
+    return field(default=default, metadata={"range": allowed, "resume": resume})
 
 
 def any_case(default: str) -> Any:
     """A ``Literal`` field whose JSON value may be written in any case (``"FP16"`` for ``"fp16"``)."""
     return field(default=default, metadata={"any_case": True})
+
+
+def free(default: Any, **metadata: Any) -> Any:
+    """A field that may change when a checkpoint is resumed: where and how the run is kept, or watched."""
+    return field(default=default, metadata={**metadata, "resume": "free"})
+
+
+def section(
+    cls: type[Any] | None, *, deepspeed: bool, resume: Resume = "fixed", aliases: tuple[str, ...] = ()
+) -> Any:
+    """A top-level section of the config file: ``cls``'s keys (None: absent unless given), whether
+    DeepSpeed reads the section too (the deepspeed backend hands it over), and other spellings of its name."""
+    metadata = {"section": True, "deepspeed": deepspeed, "aliases": aliases, "resume": resume}
+    if cls is None:
+        return field(default=None, metadata=metadata)
+    return field(default_factory=cls, metadata=metadata)
+
+
+def internal(*, resume: Resume = "fixed", **kwargs: Any) -> Any:
+    """A field the engine fills in, not a key of the file."""
+    return field(**kwargs, metadata={"internal": True, "resume": resume})
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -74,7 +105,7 @@ class FP16Config:
     """Refill the hysteresis budget after every step without overflow."""
     min_loss_scale: float = ranged(1.0, _MIN_LOSS_SCALE)
     """The dynamic scale never drops below this."""
-    auto_cast: bool = False
+    auto_cast: bool = free(False)
     """Accepted for DeepSpeed compatibility; the forward always runs under autocast."""
 
 
@@ -154,20 +185,20 @@ class SNNConfig:
     """How engine.encode() makes [T, N, ...] from a static input: repeat (direct) or poisson (rate)."""
     sync_batchnorm: bool = False
     """Synchronise batch-norm statistics across ranks, over T × N samples in multi-step mode."""
-    time_chunk: int | str = field(default=0, metadata={"parse": "time_chunk"})
+    time_chunk: int | str = field(default=0, metadata={"parse": "time_chunk", "resume": "chunks"})
     """Multi-step mode: run a training forward's T steps in chunks of at most this many, keep only
     each chunk's boundary state and recompute a chunk in backward (0: off; "auto": the largest
     chunk whose estimated activations fit memory_budget_mb). The first chunked forward is checked
     against the whole one (no grad, once): a module that mixes time steps (a mean, attention or a
     convolution over T), a buffer changed on every call, or a model whose input has no time axis
     (forward(x) that repeats [N, ...] over T inside) is refused, naming it, before the first step."""
-    memory_budget_mb: float | None = ranged(None, _MEMORY_BUDGET)
+    memory_budget_mb: float | None = ranged(None, _MEMORY_BUDGET, resume="chunks")
     """For time_chunk "auto": the activation memory one training forward may keep, in MiB per rank."""
     check_state: bool = False
     """Debug: before a forward that starts a new micro-batch (after a backward, an accumulation
     boundary, a train/eval switch, a checkpoint load), fail naming any neuron whose state is not at
     its reset value."""
-    chunk_batchnorm: Literal["refuse", "per_chunk"] = "refuse"
+    chunk_batchnorm: Literal["refuse", "per_chunk"] = field(default="refuse", metadata={"resume": "chunks"})
     """Batch norm that uses batch statistics spans T × N samples, which time chunks cannot keep:
     refuse (the default) or normalise each chunk over its own k × N samples (a different model)."""
 
@@ -191,39 +222,48 @@ class FaultToleranceConfig:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class SailSection:
-    backend: str = "ddp"
+    backend: str = free("ddp")  # within one checkpoint format (checked separately)
     """Which engine backend runs the job (see ``spikingsail.backends.available()``)."""
-    dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    dist_backend: Literal["auto", "nccl", "gloo"] = free("auto")
     """torch.distributed backend: auto (nccl with CUDA, gloo otherwise), nccl or gloo."""
     seed: int | None = ranged(None, _SEED)
     """Seed python, numpy and torch on every rank before the model is wrapped."""
-    progress_bar: bool = True
+    progress_bar: bool = free(True)
     """Show a progress bar with loss and samples/s on rank 0."""
-    metrics_path: str | None = None
+    metrics_path: str | None = free(None)
     """Append one JSON line per optimizer step (rank 0) to this file."""
-    timeout_minutes: float = ranged(30.0, _TIMEOUT)
+    timeout_minutes: float = ranged(30.0, _TIMEOUT, resume="free")
     """How long collectives wait before the process group gives up."""
-    find_unused_parameters: bool = False
+    find_unused_parameters: bool = free(False)
     """Passed to DistributedDataParallel for models with branches not used every step."""
-    move_inputs_to_device: bool = True
+    move_inputs_to_device: bool = free(True)
     """Move tensors passed to ``engine(...)`` onto the engine's device."""
-    deterministic: bool = False
+    deterministic: bool = free(False)
     """Deterministic kernels only (torch.use_deterministic_algorithms, cuDNN without autotuning,
     CUBLAS_WORKSPACE_CONFIG): what bit-exact resume needs on GPUs."""
-    balance: str | tuple[float, ...] | dict[str, float] = field(default="off", metadata={"parse": "balance"})
+    balance: str | tuple[float, ...] | dict[str, float] = free("off", parse="balance")
     """Per-rank micro-batches for ranks of unequal speed: "off" (equal), "auto" (measured), a
     weight per rank, or {"host": weight}; each rank's share of every global micro-batch."""
-    rebalance_factor: float = ranged(1.25, Range(1, FLOAT32_MAX, low_open=True, fix="e.g. 1.25"))
+    rebalance_factor: float = ranged(
+        1.25, Range(1, FLOAT32_MAX, low_open=True, fix="e.g. 1.25"), resume="free"
+    )
     """With balance "auto": split again when a rank's share of the total speed moves by more than this factor (surely: by three standard errors)."""
-    straggler_window: int = ranged(20, Range(0, INT64_MAX, integer=True, fix="e.g. 20, or 0 for off"))
+    straggler_window: int = ranged(
+        20, Range(0, INT64_MAX, integer=True, fix="e.g. 20, or 0 for off"), resume="free"
+    )
     """Every this many optimizer steps the ranks compare their step-time breakdown (0 = off)."""
-    straggler_factor: float = ranged(1.25, Range(1, FLOAT32_MAX, low_open=True, fix="e.g. 1.25"))
+    straggler_factor: float = ranged(
+        1.25, Range(1, FLOAT32_MAX, low_open=True, fix="e.g. 1.25"), resume="free"
+    )
     """A rank whose work per step stays this many times the other ranks' (median) for three windows or more, surely (the lower confidence bound too), is warned of."""
-    hang_timeout_seconds: float = ranged(300.0, Range(0, FLOAT32_MAX, fix="e.g. 300, or 0 for off"))
+    hang_timeout_seconds: float = ranged(
+        300.0, Range(0, FLOAT32_MAX, fix="e.g. 300, or 0 for off"), resume="free"
+    )
     """When no rank makes progress for this long, report who holds the job up (stacks included) and end it (0 = off)."""
-    trackers: tuple[Literal["jsonl", "tensorboard", "mlflow"], ...] = ()
-    """Where rank 0's metrics go, in log_dir: jsonl (the metrics file), tensorboard, mlflow."""
-    log_dir: str | None = None
+    trackers: tuple[str, ...] = free((), parse="trackers")
+    """Where rank 0's metrics go, in log_dir: jsonl (the metrics file), tensorboard, mlflow, wandb
+    (spikingsail.monitor.trackers.REGISTRY)."""
+    log_dir: str | None = free(None)
     """The run's directory: trackers, hang reports (default runs/DATE-TIME with trackers; else hang
     reports go beside metrics_path, or to the working directory)."""
 
@@ -235,33 +275,100 @@ class SailConfig:
     train_batch_size: int
     """The global batch per optimizer step: train_micro_batch_size_per_gpu × gradient_accumulation_steps
     × world_size; of the three batch keys, any two imply the third."""
-    train_micro_batch_size_per_gpu: int
+    train_micro_batch_size_per_gpu: int = field(metadata={"resume": "split"})
     """The batch each process takes per micro-step (one forward and backward)."""
-    gradient_accumulation_steps: int
+    gradient_accumulation_steps: int = field(metadata={"resume": "split"})
     """Micro-steps per optimizer step (1 when only one batch key is given)."""
-    world_size: int
+    world_size: int = internal(resume="split")
     """The number of processes the batch sizes were resolved for."""
-    optimizer: OptimizerConfig | None = None
-    scheduler: SchedulerConfig | None = None
-    fp16: FP16Config = field(default_factory=FP16Config)
-    bf16: BF16Config = field(default_factory=BF16Config)
+    optimizer: OptimizerConfig | None = section(None, deepspeed=True)
+    scheduler: SchedulerConfig | None = section(None, deepspeed=True)
+    fp16: FP16Config = section(FP16Config, deepspeed=True)
+    bf16: BF16Config = section(BF16Config, deepspeed=True, aliases=("bfloat16",))
     gradient_clipping: float = ranged(0.0, _CLIPPING)
     """The largest global gradient norm: gradients are scaled down to it before each step (0 = off)."""
-    steps_per_print: int = ranged(10, Range(1, integer=True))
+    steps_per_print: int = ranged(10, Range(1, integer=True), resume="free")
     """Log a line (or update the progress bar) every this many optimizer steps."""
-    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    snn: SNNConfig = field(default_factory=SNNConfig)
-    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
-    sail: SailSection = field(default_factory=SailSection)
-    backend_sections: Mapping[str, Any] = field(default_factory=dict)
+    # how state is sharded, not what it is (read by spikingsail.config.zero: DeepSpeed's own rules)
+    zero_optimization: ZeroConfig = section(ZeroConfig, deepspeed=True, resume="free")
+    # DeepSpeed's keys in it are accepted; SpikingSail saves
+    checkpoint: CheckpointConfig = section(CheckpointConfig, deepspeed=False, resume="free")
+    snn: SNNConfig = section(SNNConfig, deepspeed=False)
+    # timeouts and quorum sizes of replica groups
+    fault_tolerance: FaultToleranceConfig = section(FaultToleranceConfig, deepspeed=False, resume="free")
+    sail: SailSection = section(SailSection, deepspeed=False)
+    backend_sections: Mapping[str, Any] = internal(default_factory=dict)
     """Sections a backend owns (name → its validated dataclass), present in the file."""
-    inert_keys: tuple[str, ...] = ()
+    inert_keys: tuple[str, ...] = internal(default=(), resume="free")
     """DeepSpeed keys present in the file that SpikingSail accepts but does not act on."""
-    source: str = "<dict>"
+    source: str = internal(default="<dict>", resume="free")
     """Where the config came from, for messages."""
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    raw: dict[str, Any] = internal(default_factory=dict, compare=False, repr=False, resume="free")
     """The config as read (JSON), for backends that hand it to their own engine (DeepSpeed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """A top-level section of the config file, as its ``SailConfig`` field declares it."""
+
+    field: str
+    """The ``SailConfig`` field (the canonical name: ``bf16`` for ``bfloat16``)."""
+    cls: type[Any]
+    deepspeed: bool
+    """DeepSpeed reads it too: the deepspeed backend hands it to ``deepspeed.initialize``."""
+
+
+def sections(config: type[Any] | None = None) -> dict[str, Section]:
+    """Every top-level section of ``config`` (SailConfig), by each name the file may give it."""
+    config = config or SailConfig
+    hints = get_type_hints(config)
+    out = {}
+    for declared in fields(config):
+        if declared.metadata.get("section"):
+            found = Section(
+                declared.name, section_class(hints[declared.name]), declared.metadata["deepspeed"]
+            )
+            out.update(dict.fromkeys((declared.name, *declared.metadata["aliases"]), found))
+    return out
+
+
+def scalars(config: type[Any] | None = None) -> dict[str, type[Any]]:
+    """The top-level keys of the file that hold one value (not a section, not a batch size), by type."""
+    config = config or SailConfig
+    hints = get_type_hints(config)
+    return {
+        declared.name: hints[declared.name]
+        for declared in fields(config)
+        if not declared.metadata.get("section")
+        and not declared.metadata.get("internal")
+        and declared.name not in BATCH_KEYS
+    }
+
+
+def keys_where(resume: Resume, config: type[Any] | None = None) -> tuple[str, ...]:
+    """Every key of ``config`` (SailConfig) whose field says ``resume`` (dotted; a whole section by its name)."""
+    return tuple(_keys_where(config or SailConfig, "", resume))
+
+
+def _keys_where(cls: type[Any], prefix: str, resume: Resume) -> Iterator[str]:
+    hints = get_type_hints(cls)
+    for declared in fields(cls):
+        name, said = prefix + declared.name, declared.metadata.get("resume", "fixed")
+        inner = section_class(hints[declared.name], required=False)
+        if inner is not None and said == "fixed":  # a section is its keys, unless it says otherwise of all
+            yield from _keys_where(inner, f"{name}.", resume)
+        elif said == resume:
+            yield name
+
+
+def section_class(hint: Any, *, required: bool = True) -> Any:
+    """The dataclass a section's type names (``X`` or ``X | None``)."""
+    for candidate in (hint, *get_args(hint)):
+        if isinstance(candidate, type) and is_dataclass(candidate):
+            return candidate
+    if required:
+        raise TypeError(f"{hint} names no dataclass")
+    return None
 
 
 def summary(config: SailConfig, optimizer: Any = None, lr_scheduler: Any = None) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spikingsail.config.parse import BATCH_KEYS
+from spikingsail.config.schema import BATCH_KEYS
 from spikingsail.errors import ConfigError, LaunchError, SailError
 from spikingsail.launchers.spec import SSHOptions
 

@@ -169,6 +169,8 @@ def parser() -> argparse.ArgumentParser:
         description="Write an sbatch script that runs a training script on SLURM, and submit it.",
         allow_abbrev=False,
     )
+    p.add_argument("--target", choices=["slurm"], default="slurm",
+                   help="where the job runs: slurm (this page) or k8s (sail submit --target k8s --help)")  # fmt: skip
     p.add_argument("-N", "--nodes", type=int, default=1, help="nodes to allocate (#SBATCH --nodes)")
     p.add_argument(
         "--gpus-per-node",
@@ -310,6 +312,11 @@ def submit(path: Path) -> str:
             "fix the #SBATCH lines (partition, time, GPUs) or run with --dry-run to read the script",
         )
     return result.stdout.strip().split(";")[0]
+
+
+def submitted(request: SubmitRequest, job_id: str, path: Path) -> str:
+    output = (request.output or f"{request.job_name}-%j.out").replace("%j", job_id)
+    return f"submitted job {job_id} ({path}); output in {output}"
 
 
 def wait(job_id: str, poll_seconds: float = 1.0) -> tuple[str, int]:

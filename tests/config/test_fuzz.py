@@ -28,10 +28,10 @@ from spikingsail.backends import backend_class, load_config
 from spikingsail.backends.horovod import horovod_options
 from spikingsail.engine.engine import seed_everything
 from spikingsail.engine.initialize import _check_offload, _check_zero_stage
-from spikingsail.engine.precision import select_precision
 from spikingsail.errors import SailError
 from spikingsail.optim.optimizers import build_optimizer
 from spikingsail.optim.schedulers import build_scheduler
+from spikingsail.precision import select_precision
 from spikingsail.snn.support import SpikingSupport
 
 ROOT = Path(__file__).resolve().parents[2]

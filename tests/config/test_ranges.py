@@ -18,10 +18,10 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from spikingsail.config import load_config
 from spikingsail.config.schema import MAX_TIMEOUT_MINUTES
 from spikingsail.engine.engine import seed_everything
-from spikingsail.engine.precision import select_precision
 from spikingsail.errors import ConfigError
 from spikingsail.optim.optimizers import build_optimizer
 from spikingsail.optim.schedulers import build_scheduler
+from spikingsail.precision import select_precision
 
 MICRO = {"train_micro_batch_size_per_gpu": 4}
 ONE_CYCLE = {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01}

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from spikingsail.config.schema import FP16Config
-from spikingsail.engine.precision import BF16Precision, FP16Precision
 from spikingsail.errors import SailError
+from spikingsail.precision import BF16Precision, FP16Precision
 
 CPU = torch.device("cpu")
 
@@ -53,7 +53,7 @@ os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", RANK="0", WORLD
 import deepspeed
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 from spikingsail.config.schema import FP16Config
-from spikingsail.engine.precision import FP16Precision
+from spikingsail.precision import FP16Precision
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 deepspeed.init_distributed("gloo")
 out = []

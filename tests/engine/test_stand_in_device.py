@@ -20,10 +20,10 @@ from spikingsail.backends import process_group
 from spikingsail.checkpoint.engine_state import restore_grads
 from spikingsail.data.digits import load_digits_split
 from spikingsail.diagnostics import probe
-from spikingsail.engine.precision import BF16Precision
 from spikingsail.environments import RankInfo
 from spikingsail.errors import BackendError
 from spikingsail.launchers import as_torchrun
+from spikingsail.precision import BF16Precision
 from tests.multiprocess import run_ranks
 
 EXAMPLES = Path(__file__).parents[2] / "examples"

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 import spikingsail
 from spikingsail.checkpoint.engine_state import capture_rng, restore_rng
 from spikingsail.data.digits import load_digits_split
-from spikingsail.engine.precision import BF16Precision
 from spikingsail.errors import BackendError
+from spikingsail.precision import BF16Precision
 from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.requires_cuda

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from spikingsail.config.schema import SailConfig
-from spikingsail.engine.precision import Precision, select_precision
 from spikingsail.environments import RankInfo
 from spikingsail.optim.optimizers import build_optimizer
 from spikingsail.optim.rebind import rebind_scheduler
 from spikingsail.optim.schedulers import build_scheduler
+from spikingsail.precision import Precision, select_precision
 
 
 class Backend(ABC):

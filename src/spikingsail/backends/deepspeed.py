@@ -35,8 +35,8 @@ from spikingsail.checkpoint import dcp_io
 from spikingsail.config.parse import INERT_DEEPSPEED_KEYS, NOT_FOR_DEEPSPEED
 from spikingsail.config.schema import SailConfig
 from spikingsail.cuda_arch_list import readable_setting, unreadable_cuda_archs
-from spikingsail.engine.precision import Precision, native_bf16
 from spikingsail.errors import BackendError, CheckpointError, first_line
+from spikingsail.precision import Precision, native_bf16
 from spikingsail.tensors import map_tensors
 
 if TYPE_CHECKING:

@@ -36,7 +36,6 @@ from spikingsail.config.schema import SailConfig
 from spikingsail.data.loader import ShardedLoader
 from spikingsail.data.sampler import ReplicaBatchSampler
 from spikingsail.engine.balance import Balancer, loss_weight
-from spikingsail.engine.precision import Precision
 from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
 from spikingsail.engine.replicas import (
     ReplicaEnv,
@@ -55,6 +54,7 @@ from spikingsail.monitor.hangwatch import BACKWARD, CHECKPOINT, COLLECTIVE, FORW
 from spikingsail.monitor.heartbeat import Heartbeat, NoHeartbeat
 from spikingsail.monitor.steps import StepMonitor, StepRecord
 from spikingsail.monitor.trackers import check_installed, flatten, make_trackers
+from spikingsail.precision import Precision
 from spikingsail.snn.chunking import time_chunked
 from spikingsail.snn.encoding import encode
 from spikingsail.snn.support import SpikingSupport

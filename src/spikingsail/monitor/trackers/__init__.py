@@ -41,7 +41,7 @@ class Tracker(Protocol):
 @dataclass(frozen=True, slots=True)
 class Registered:
     target: str | None
-    """"module:Class" of the tracker; None for jsonl, which is the metrics file the engine writes anyway."""
+    """The tracker's class as "module:Class"; None for jsonl, the metrics file the engine writes anyway."""
     module: str = ""
     """What must be importable for it (checked on every rank before the first step)."""
     package: str = ""

@@ -17,7 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-PREEMPTED_EXIT_CODE = 75
+from spikingsail.exits import PREEMPTED_EXIT_CODE
+
+__all__ = ["PREEMPTED_EXIT_CODE", "SIGNALS", "PreemptionWatch"]
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 

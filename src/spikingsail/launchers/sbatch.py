@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE
 from spikingsail.errors import LaunchError
+from spikingsail.exits import PREEMPTED_EXIT_CODE
 from spikingsail.launchers.command import FORWARDED_SIGNALS
 from spikingsail.launchers.hostfile import MAX_SLOTS
 from spikingsail.launchers.slurm import DIST_INIT_METHODS, task_step, torchrun_step

@@ -121,6 +121,7 @@ K8S = {
     "-J": st.one_of(st.sampled_from(["train", "Train_X", "a" * 60, "x-"]), TEXT),
     "--namespace": st.one_of(st.just("research"), TEXT),
     "--env": st.one_of(st.just("NCCL_DEBUG=INFO"), TEXT),
+    "--env-secret": st.one_of(st.just("WANDB_API_KEY=wandb:api-key"), TEXT),
     "--workdir": st.one_of(st.just("/app"), TEXT),
     "--master-port": PORTS,
     "--max-restarts": mostly("0", "2"),

@@ -33,7 +33,8 @@ class _Response:  # what ApiClient.deserialize reads: an HTTP response's body
 def test_the_manifest_is_a_pytorchjob_of_the_kubeflow_sdks_own_models() -> None:
     request, _ = k8s.parse_submit([
         "--image", "ghcr.io/me/trainer:1", "-N", "3", "--gpus-per-node", "8", "--namespace", "research",
-        "--workdir", "/app", "--env", "NCCL_DEBUG=INFO", "--max-restarts", "4", "--master-port", "29400",
+        "--workdir", "/app", "--env", "NCCL_DEBUG=INFO", "--env-secret", "WANDB_API_KEY=wandb:api-key",
+        "--max-restarts", "4", "--master-port", "29400",
         "train.py", "--epochs", "30", "--sail-config", "configs/train.json",
     ])  # fmt: skip
     manifest = json.loads(request.render())
@@ -50,9 +51,16 @@ def test_the_manifest_is_a_pytorchjob_of_the_kubeflow_sdks_own_models() -> None:
     assert master.resources.limits == {"nvidia.com/gpu": "8"}
     assert master.command == ["sail", "launch", "--nproc-per-node", "8", "train.py", "--epochs", "30",
                               "--sail-config", "configs/train.json"]  # fmt: skip
-    assert master.working_dir == "/app" and [(e.name, e.value) for e in master.env] == [
-        ("NCCL_DEBUG", "INFO")
-    ]
+    assert master.working_dir == "/app" and (master.env[0].name, master.env[0].value) == (
+        "NCCL_DEBUG",
+        "INFO",
+    )
+    secret = master.env[1]  # read from the Secret by the pod, never written into the manifest
+    assert (secret.name, secret.value) == ("WANDB_API_KEY", None)
+    assert (secret.value_from.secret_key_ref.name, secret.value_from.secret_key_ref.key) == (
+        "wandb",
+        "api-key",
+    )
     assert job.spec.run_policy.backoff_limit == 4 and job.metadata.namespace == "research"
     volumes = specs["Worker"].template.spec.volumes
     assert [(v.name, v.empty_dir.medium) for v in volumes] == [("dshm", "Memory")]
@@ -99,6 +107,12 @@ def test_the_target_is_read_among_sails_options_only() -> None:
         (["--image", "i", "-N", "0", "t.py"], r"--nodes"),
         (["--image", "i", "--env", "NOEQUALS", "t.py"], r"--env 'NOEQUALS' is not NAME=VALUE"),
         (["--image", "i", "--master-port", "70000", "t.py"], r"--master-port"),
+        (
+            ["--image", "i", "--env-secret", "K=nokey", "t.py"],
+            r"--env-secret 'K=nokey' does not name a Secret",
+        ),
+        (["--image", "i b", "t.py"], r"--image 'i b' is not an image reference"),
+        (["--image", "i", "--namespace", "Research", "t.py"], r"--namespace 'Research' is not a Kubernetes"),
     ],
 )
 def test_bad_flags_are_refused_naming_them(argv: list[str], message: str) -> None:
@@ -115,3 +129,15 @@ def test_without_kubectl_the_manifest_is_kept_and_the_error_says_how_to_create_i
     assert "kubectl create -f train.pytorchjob.json" in result.stderr
     assert json.loads((tmp_path / "train.pytorchjob.json").read_text())["kind"] == "PyTorchJob"
     assert "Traceback" not in result.stderr
+
+
+def test_a_secret_given_with_env_is_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    request, _ = k8s.parse_submit(
+        ["--image", "i", "--env", "HF_TOKEN=hf_abc", "--env", "NCCL_DEBUG=INFO", "t.py"]
+    )
+    assert request.env == {"HF_TOKEN": "hf_abc", "NCCL_DEBUG": "INFO"}  # the user's choice stands
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [
+        "--env HF_TOKEN writes its value into the manifest (and sail's command line); a secret belongs in a "
+        "Kubernetes Secret: --env-secret HF_TOKEN=SECRET:KEY"
+    ]

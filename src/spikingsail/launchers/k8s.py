@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -34,6 +35,8 @@ MAX_NODES = 100_000
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _NAME_MAX = 50
 _LABEL_MAX = 63
+_SECRET_LIKE = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -50,6 +53,8 @@ class PyTorchJobRequest:
     master_port: int = DEFAULT_PORT
     max_restarts: int | None = None
     env: dict[str, str] = field(default_factory=dict)
+    secret_env: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """NAME → (Secret, key): variables read from a Kubernetes Secret, never written into the manifest."""
 
     @property
     def world_size(self) -> int:
@@ -70,8 +75,11 @@ class PyTorchJobRequest:
         container: dict[str, Any] = {"name": "pytorch", "image": self.image, "command": self.command()}
         if self.workdir is not None:
             container["workingDir"] = self.workdir
-        if self.env:
-            container["env"] = [{"name": k, "value": v} for k, v in self.env.items()]
+        env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in self.env.items()]
+        env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+                for k, (secret, key) in self.secret_env.items()]  # fmt: skip
+        if env:
+            container["env"] = env
         if port:
             container["ports"] = [{"name": "pytorchjob-port", "containerPort": self.master_port}]
         if self.gpus_per_node:
@@ -116,7 +124,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", help="the job's namespace (default: kubectl's current one)")
     p.add_argument("--workdir", help="the container's working directory (default: the image's)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                   help="an environment variable of every pod (repeatable)")  # fmt: skip
+                   help="an environment variable of every pod (repeatable); not for secrets, which it "
+                   "would write into the manifest")  # fmt: skip
+    p.add_argument("--env-secret", action="append", default=[], metavar="NAME=SECRET:KEY",
+                   help="an environment variable of every pod read from key KEY of the Kubernetes Secret "
+                   "SECRET (repeatable), e.g. WANDB_API_KEY=wandb:api-key")  # fmt: skip
     p.add_argument(
         "--master-port", type=int, default=DEFAULT_PORT, help=f"the rendezvous port (default {DEFAULT_PORT})"
     )
@@ -144,13 +156,20 @@ def parse_submit(argv: list[str]) -> tuple[PyTorchJobRequest, argparse.Namespace
                 flag, value, low, high, why="it is a count", fix=f"give a whole number from {low} to {high}"
             )
     check_port("--master-port", ns.master_port, f"give a port the pods may listen on, e.g. {DEFAULT_PORT}")
-    env = {}
-    for item in ns.env:
-        name, equals, value = item.partition("=")
-        if not equals or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", name):
-            raise LaunchError(f"--env {item!r} is not NAME=VALUE", "each --env sets one variable of every pod",
-                              "give it as --env NAME=VALUE")  # fmt: skip
-        env[name] = value
+    env = dict(_variable("--env", item, "NAME=VALUE") for item in ns.env)
+    secret_env = {}
+    for item in ns.env_secret:
+        name, reference = _variable("--env-secret", item, "NAME=SECRET:KEY")
+        secret, colon, key = reference.partition(":")
+        if not colon or not _NAME.fullmatch(secret) or not re.fullmatch(r"[-._a-zA-Z0-9]+", key):
+            raise LaunchError(f"--env-secret {item!r} does not name a Secret and a key",
+                              "the pods read the variable from key KEY of the Kubernetes Secret SECRET",
+                              "give it as --env-secret NAME=SECRET:KEY, e.g. WANDB_API_KEY=wandb:api-key")  # fmt: skip
+        secret_env[name] = (secret, key)
+    for name in env:
+        if _SECRET_LIKE.search(name):
+            log.warning("--env %s writes its value into the manifest (and sail's command line); a secret belongs "
+                        "in a Kubernetes Secret: --env-secret %s=SECRET:KEY", name, name)  # fmt: skip
     if not ns.image or any(c.isspace() for c in ns.image):
         raise LaunchError(f"--image {ns.image!r} is not an image reference", "each pod pulls it by that name",
                           "give the image as docker would, e.g. ghcr.io/me/trainer:1")  # fmt: skip
@@ -182,8 +201,17 @@ def parse_submit(argv: list[str]) -> tuple[PyTorchJobRequest, argparse.Namespace
         master_port=ns.master_port,
         max_restarts=ns.max_restarts,
         env=env,
+        secret_env=secret_env,
     )
     return request, ns
+
+
+def _variable(flag: str, item: str, form: str) -> tuple[str, str]:
+    name, equals, value = item.partition("=")
+    if not equals or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", name):
+        raise LaunchError(f"{flag} {item!r} is not {form}", f"each {flag} sets one variable of every pod",
+                          f"give it as {flag} {form}")  # fmt: skip
+    return name, value
 
 
 def _kubernetes_name(stem: str) -> str:

@@ -318,3 +318,23 @@ def test_processes_per_node_inside_an_allocation_are_its_gpus_per_node(
     setenv(monkeypatch, {**allocation, **variables})
     (command,) = plan(parse_request(["train.py"]))
     assert command.argv[command.argv.index("--nproc-per-node") + 1] == per_node
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
+def test_replica_groups_over_hosts_only_with_a_launcher_that_hosts_them(job: Path, launcher: str) -> None:
+    from spikingsail.launchers.replicas import ReplicaPlan, plan_replica_groups
+
+    request = parse_request(["-H", "hostfile", "--launcher", launcher, "--ft-replicas", "2", "train.py"])
+    replicas = ReplicaPlan(groups=2, heartbeat_timeout_ms=1000, join_timeout_ms=10000, lighthouse_port=29999,
+                           lighthouse_host="10.0.0.1")  # fmt: skip
+    with pytest.raises(LaunchError) as refused:
+        plan_replica_groups(request, replicas)
+    assert str(refused.value).splitlines() == [
+        f"--ft-replicas with --launcher {launcher}",
+        "  why: each replica group runs under torchrun agents of its own, which sail launch starts on the "
+        "group's nodes over ssh or pdsh",  # the launchers whose hosts_replica_groups is set
+        "  fix: use --launcher ssh or --launcher pdsh (ssh is the default with -H)",
+    ]
+    for hosting in ("ssh", "pdsh"):
+        allowed = parse_request(["-H", "hostfile", "--launcher", hosting, "--ft-replicas", "2", "train.py"])
+        assert len(plan_replica_groups(allowed, replicas)) == 3  # the lighthouse and a sail launch per group

@@ -32,6 +32,9 @@ class Launcher(ABC):
     """How to install what ``exists`` looks for."""
     dist_init_methods: ClassVar[tuple[str, ...]] = ("torchrun",)
     """The ``--dist-init-method`` values it can start (``slurm``: one srun task per process)."""
+    hosts_replica_groups: ClassVar[bool] = False
+    """``--ft-replicas`` with ``-H``: sail launch starts each replica group's torchrun agents on the
+    group's nodes through it."""
     supervised: ClassVar[bool] = True
     """Its commands run under ``supervisor.supervise``, after every host was reached over ssh.
     False: its one command runs on this machine, in this terminal (``local.run_local``)."""

@@ -44,6 +44,7 @@ NODE_FAILURE = (
 
 class PdshLauncher(Launcher):
     name = "pdsh"
+    hosts_replica_groups = True
     install_hint = "apt-get install pdsh"
 
     @staticmethod

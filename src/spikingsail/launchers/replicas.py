@@ -53,8 +53,6 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.2
 LIGHTHOUSE_START_SECONDS = 30.0
 LIGHTHOUSE_POLL_SECONDS = 0.05
-GROUP_LAUNCHERS = ("ssh", "pdsh")
-"""Launchers that start a group's torchrun agents on its nodes (one agent per node, as torchft needs)."""
 ENV_GROUP_REQUEST = "SPIKINGSAIL_GROUP_REQUEST"
 """How the child ``sail launch`` of a group receives its request: in its environment, never on a
 command line (the request's ``--env`` values may be credentials); not a ``SAIL_`` name, which
@@ -193,12 +191,15 @@ def decode_request(text: str) -> LaunchRequest:
 
 
 def _check(request: LaunchRequest, replicas: ReplicaPlan) -> None:
-    if request.nodes and request.launcher not in GROUP_LAUNCHERS:
+    from spikingsail.launchers import LAUNCHERS  # the registry imports the launchers, which import this
+
+    hosting = [name for name, launcher in LAUNCHERS.items() if launcher.hosts_replica_groups]
+    if request.nodes and not LAUNCHERS[request.launcher].hosts_replica_groups:
         raise LaunchError(
             f"--ft-replicas with --launcher {request.launcher}",
             "each replica group runs under torchrun agents of its own, which sail launch starts on "
-            "the group's nodes over ssh or pdsh",
-            "use --launcher ssh (the default with -H) or --launcher pdsh",
+            f"the group's nodes over {' or '.join(hosting)}",
+            f"use --launcher {' or --launcher '.join(hosting)} (ssh is the default with -H)",
         )
     if not request.nodes and request.launcher != "local":
         raise LaunchError(

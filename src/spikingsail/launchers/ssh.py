@@ -33,6 +33,7 @@ from spikingsail.launchers.spec import LaunchRequest
 
 class SSHLauncher(Launcher):
     name = "ssh"
+    hosts_replica_groups = True
     install_hint = "apt-get install openssh-client"
 
     @staticmethod

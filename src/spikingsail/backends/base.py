@@ -46,6 +46,13 @@ class Backend(ABC):
     backward without waiting for each other until the gradient reduction at the end."""
     checkpoint_format: ClassVar[str] = "dcp"
     """How model and optimizer state is written; checkpoints load only into the same format."""
+    replica_groups: ClassVar[bool] = False
+    """Whether its gradients all-reduce across replica groups through torchft (``--ft-replicas``)."""
+
+    @classmethod
+    def replica_refusal(cls, config: SailConfig) -> tuple[str, str, str] | None:
+        """What of ``config`` replica groups of this backend cannot keep exact (what, why, fix), if anything."""
+        return None
 
     def __init__(self, config: SailConfig, rank_info: RankInfo) -> None:
         self.config = config
@@ -190,6 +197,14 @@ class Backend(ABC):
         from spikingsail.checkpoint import dcp_io
 
         return dcp_io.full_model_state(module)
+
+    def load_live_state(
+        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """A healing replica group's copy of another group's ``state["model"]`` and
+        ``state["optimizer"]``: this rank's local parts, as the counterpart rank of that group holds them."""
+        module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
 
     def own_state_files(self, directory: Path, rank: int) -> list[Path]:
         """The files of ``directory`` this rank wrote (it seals them; rank 0 seals the rest)."""

@@ -43,6 +43,15 @@ _FORWARD_SYNC = (
 class DDPBackend(ProcessGroupBackend):
     name = "ddp"
     max_zero_stage = 1
+    replica_groups = True
+
+    @classmethod
+    def replica_refusal(cls, config: SailConfig) -> tuple[str, str, str] | None:
+        if config.zero_optimization.stage == 0:
+            return None
+        return (f"zero_optimization.stage is {config.zero_optimization.stage}",
+                "a healing group takes a peer's whole optimizer state; ZeRO-1 over ddp shards it on its own",
+                'use stage 0, or "sail": {"backend": "fsdp"} to shard within each group')  # fmt: skip
 
     def __init__(self, config: SailConfig, rank_info: RankInfo) -> None:
         super().__init__(config, rank_info)

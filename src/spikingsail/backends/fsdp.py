@@ -28,6 +28,9 @@ from spikingsail.errors import BackendError, CheckpointError
 
 class FSDPBackend(ProcessGroupBackend):
     name = "fsdp"
+    replica_groups = True
+    """As HSDP: each group shards the model over its ranks; rank r of every group holds the same
+    shards, and torchft all-reduces those across the groups, as HSDP's replicate dimension does."""
     honoured_deepspeed_keys: ClassVar[frozenset[str]] = frozenset()
     max_zero_stage: ClassVar[int] = 3
     measures_balance = False  # its all-gathers in forward make a fast rank wait for a slow one
@@ -104,6 +107,32 @@ class FSDPBackend(ProcessGroupBackend):
     def clip_grad_norm_(self, parameters: Iterator[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def load_live_state(
+        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """The counterpart rank's shards, copied into this rank's own; its optimizer state's local
+        shards made DTensors again, laid out as this rank's parameters (the optimizer may not have
+        stepped yet: it has no state to copy into)."""
+        own = module.state_dict()
+        with torch.no_grad():
+            for key, value in state["model"].items():
+                target = own[key]
+                (target.to_local() if isinstance(target, DTensor) else target).copy_(value)
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]  # state_dict's order
+        for index, entry in state["optimizer"]["state"].items():
+            parameter = parameters[index]
+            if not isinstance(parameter, DTensor):
+                continue
+            for key, value in entry.items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.dim()
+                    and value.shape == parameter.to_local().shape
+                ):
+                    entry[key] = DTensor.from_local(value, parameter.device_mesh, parameter.placements,
+                                                    run_check=False, shape=parameter.shape, stride=parameter.stride())  # fmt: skip
+        optimizer.load_state_dict(state["optimizer"])
 
     def teardown(self) -> None:
         root, self.root = self.root, None

@@ -41,7 +41,6 @@ from spikingsail.engine.replicas import (
     ReplicaEnv,
     ReplicaGroups,
     checkpoints_to_load,
-    local,
     local_state,
     own_group_checkpoints,
 )
@@ -317,39 +316,8 @@ class Engine:
             yield from (value for value in state.values() if isinstance(value, torch.Tensor))
 
     def _load_live_state(self, state: dict[str, Any]) -> None:
-        from torch.distributed.tensor import DTensor
-
-        own = self.module.state_dict()
-        if any(isinstance(value, DTensor) for value in own.values()):
-            # fsdp: the shards of a counterpart rank, copied into this rank's own
-            with torch.no_grad():
-                for key, value in state["model"].items():
-                    local(own[key]).copy_(value)
-            self.optimizer.load_state_dict(self._sharded_optimizer_state(state["optimizer"]))
-        else:
-            self.module.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+        self.backend.load_live_state(self.module, self.optimizer, state)
         self.load_state_dict(state["engine"])
-
-    def _sharded_optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """An optimizer state of local shards (``_live_state``) made DTensors again, laid out as this
-        rank's parameters (this optimizer may not have stepped yet: it has no state to copy into)."""
-        from torch.distributed.tensor import DTensor
-
-        parameters = list(self._parameters())  # the order optimizer.state_dict() numbers them in
-        for index, entry in state["state"].items():
-            parameter = parameters[index]
-            if not isinstance(parameter, DTensor):
-                continue
-            for key, value in entry.items():
-                if (
-                    isinstance(value, torch.Tensor)
-                    and value.dim()
-                    and value.shape == parameter.to_local().shape
-                ):
-                    entry[key] = DTensor.from_local(value, parameter.device_mesh, parameter.placements,
-                                                    run_check=False, shape=parameter.shape, stride=parameter.stride())  # fmt: skip
-        return state
 
     def _loss_weight(self) -> float:
         """This rank's share of the optimizer step's samples, relative to an equal share of a whole

@@ -161,27 +161,22 @@ def checkpoints_to_load(path: str | Path, tag: str | None = None) -> Path:
     return newest_group_checkpoints(path) or Path(path)
 
 
-REPLICATED_BACKENDS = ("ddp", "fsdp")
-"""Backends whose groups replicate through torchft: ``ddp``, and ``fsdp`` as HSDP (each group shards
-the model over its ranks; rank r of every group holds the same shards, and torchft all-reduces
-those across the groups, as HSDP's replicate dimension does)."""
-
-
 def check_supported(config: SailConfig, backend: str, sync_batch_norm: str | None = None) -> None:
     """Refuse, before anything starts, what live recovery cannot yet keep exact. ``sync_batch_norm``:
     what synchronises batch-norm statistics in this job, if anything."""
+    from spikingsail.backends import available, backend_class
+
     where = config.source
+    chosen = backend_class(backend, where)
+    able = [name for name in available() if backend_class(name).replica_groups]
     refusals = [
-        (backend not in REPLICATED_BACKENDS, f"sail.backend is {backend!r}",
-         "only the ddp and fsdp backends all-reduce across replica groups through torchft so far",
-         'use "sail": {"backend": "ddp"} or "fsdp", or launch without --ft-replicas'),
+        (not chosen.replica_groups, f"sail.backend is {backend!r}",
+         f"only the {' and '.join(able)} backends all-reduce across replica groups through torchft so far",
+         "use " + " or ".join(f'"sail": {{"backend": "{name}"}}' for name in able) + ", or launch without --ft-replicas"),
         (config.fp16.enabled, "fp16 is enabled",
          "a loss scaler that skips a step on one group and not another would let the groups diverge",
          "use bf16 or fp32 with --ft-replicas"),
-        (backend == "ddp" and config.zero_optimization.stage != 0,
-         f"zero_optimization.stage is {config.zero_optimization.stage}",
-         "a healing group takes a peer's whole optimizer state; ZeRO-1 over ddp shards it on its own",
-         'use stage 0, or "sail": {"backend": "fsdp"} to shard within each group'),
+        *[(True, *refusal) for refusal in [chosen.replica_refusal(config)] if refusal is not None],
         (config.sail.balance != "off", "sail.balance is set",
          "with --ft-replicas the shares of a step follow the groups taking part in it",
          "turn sail.balance off"),

@@ -168,7 +168,10 @@ def check_supported(config: SailConfig, backend: str, sync_batch_norm: str | Non
 
     where = config.source
     chosen = backend_class(backend, where)
-    able = [name for name in available() if backend_class(name).replica_groups]
+    # the others are imported (to ask) only to name them in a refusal
+    able = (
+        [] if chosen.replica_groups else [name for name in available() if backend_class(name).replica_groups]
+    )
     refusals = [
         (not chosen.replica_groups, f"sail.backend is {backend!r}",
          f"only the {' and '.join(able)} backends all-reduce across replica groups through torchft so far",

@@ -128,9 +128,26 @@ def test_a_balanced_run_raises_no_alarm(tmp_path: Path) -> None:
 def test_ranks_slowed_in_turns_for_less_than_three_windows_raise_no_alarm(tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.jsonl"
     result = run_ranks(job, 2, None, 20 * WINDOW, str(metrics), EPISODES)[0]
-    assert result["warnings"] == []
     found = windows(metrics)
-    # an episode put its rank at or above the factor in the three windows it touched, the other
-    # rank below (what a fixed ratio over three windows warned of)
-    touched = [(rank, found[first // WINDOW : first // WINDOW + 3]) for rank, first, _ in EPISODES]
-    assert any(all(w["scores"][r] >= 1.25 > w["scores"][1 - r] for w in ws) for r, ws in touched), touched
+
+    def after(last: int) -> int:
+        """The index of the window after the last one an episode touched."""
+        return (last - 1) // WINDOW + 1
+
+    # The machine is shared: load of its own may keep a rank slow for the window after an episode
+    # (seen once in eight suite runs: forward and backward 1.5x on the slowed rank, right after its
+    # episode). Then it was slow for three windows after its onset, and a warning is right. Every
+    # other episode must pass without one, and a warning may name only such an extended episode.
+    extended = {(r, last) for r, _, last in EPISODES if found[after(last)]["scores"][r] >= 1.25}
+    for message in result["warnings"]:
+        assert any(message.startswith(f"straggler: rank {r} ") and f"(to step {(after(last) + 1) * WINDOW};" in message
+                   for r, last in extended), (message, found)  # fmt: skip
+    assert len(result["warnings"]) <= len(extended), result["warnings"]
+    # an episode that ended with its own windows put its rank at or above the factor in the three
+    # windows it touched, the other rank below (what a fixed ratio over three windows warned of)
+    touched = [(rank, found[first // WINDOW : first // WINDOW + 3]) for rank, first, last in EPISODES
+               if (rank, last) not in extended]  # fmt: skip
+    assert any(all(w["scores"][r] >= 1.25 > w["scores"][1 - r] for w in ws) for r, ws in touched), (
+        touched,
+        found,
+    )

@@ -26,7 +26,8 @@ from typing import Any
 
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.hostfile import MAX_SLOTS
-from spikingsail.launchers.spec import check_port, in_range
+from spikingsail.launchers.remote_env import looks_secret
+from spikingsail.launchers.spec import check_counts, check_port
 
 DEFAULT_PORT = 23456
 """The Training Operator's default MASTER_PORT."""
@@ -35,7 +36,6 @@ MAX_NODES = 100_000
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _NAME_MAX = 50
 _LABEL_MAX = 63
-_SECRET_LIKE = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 log = logging.getLogger(__name__)
 
 
@@ -145,16 +145,14 @@ def parser() -> argparse.ArgumentParser:
 
 def parse_submit(argv: list[str]) -> tuple[PyTorchJobRequest, argparse.Namespace]:
     ns = parser().parse_args(argv)
-    for flag, value, low, high in (
-        ("--nodes", ns.nodes, 1, MAX_NODES),
-        ("--gpus-per-node", ns.gpus_per_node, 0, MAX_SLOTS),
-        ("--nproc-per-node", ns.nproc_per_node, 1, MAX_SLOTS),
-        ("--max-restarts", ns.max_restarts, 0, 1_000_000),
-    ):
-        if value is not None:
-            in_range(
-                flag, value, low, high, why="it is a count", fix=f"give a whole number from {low} to {high}"
-            )
+    check_counts(
+        {
+            "--nodes": (ns.nodes, 1, MAX_NODES),
+            "--gpus-per-node": (ns.gpus_per_node, 0, MAX_SLOTS),
+            "--nproc-per-node": (ns.nproc_per_node, 1, MAX_SLOTS),
+            "--max-restarts": (ns.max_restarts, 0, 1_000_000),
+        }
+    )
     check_port("--master-port", ns.master_port, f"give a port the pods may listen on, e.g. {DEFAULT_PORT}")
     env = dict(_variable("--env", item, "NAME=VALUE") for item in ns.env)
     secret_env = {}
@@ -167,7 +165,7 @@ def parse_submit(argv: list[str]) -> tuple[PyTorchJobRequest, argparse.Namespace
                               "give it as --env-secret NAME=SECRET:KEY, e.g. WANDB_API_KEY=wandb:api-key")  # fmt: skip
         secret_env[name] = (secret, key)
     for name in env:
-        if _SECRET_LIKE.search(name):
+        if looks_secret(name):
             log.warning("--env %s writes its value into the manifest (and sail's command line); a secret belongs "
                         "in a Kubernetes Secret: --env-secret %s=SECRET:KEY", name, name)  # fmt: skip
     if not ns.image or any(c.isspace() for c in ns.image):

@@ -24,7 +24,7 @@ from spikingsail.exits import PREEMPTED_EXIT_CODE
 from spikingsail.launchers.command import FORWARDED_SIGNALS
 from spikingsail.launchers.hostfile import MAX_SLOTS
 from spikingsail.launchers.slurm import DIST_INIT_METHODS, task_step, torchrun_step
-from spikingsail.launchers.spec import LaunchRequest, check_port, in_range
+from spikingsail.launchers.spec import LaunchRequest, check_counts, check_port, in_range
 
 log = logging.getLogger(__name__)
 
@@ -265,17 +265,14 @@ def parse_submit(argv: list[str]) -> tuple[SubmitRequest, argparse.Namespace]:
 def _check_numbers(ns: argparse.Namespace) -> None:
     """Every number is checked here, before it is written into the script (sbatch, srun or torchrun
     would refuse it later on the nodes, or not at all: a negative process count)."""
-    counts = {
-        "--nodes": (ns.nodes, 1, MAX_NODES),
-        "--gpus-per-node": (ns.gpus_per_node, 0, MAX_SLOTS),
-        "--nproc-per-node": (ns.nproc_per_node, 1, MAX_SLOTS),
-        "--cpus-per-task": (ns.cpus_per_task, 1, MAX_CPUS),
-    }
-    for flag, (value, low, high) in counts.items():
-        if value is not None:
-            in_range(
-                flag, value, low, high, why="it is a count", fix=f"give a whole number from {low} to {high}"
-            )
+    check_counts(
+        {
+            "--nodes": (ns.nodes, 1, MAX_NODES),
+            "--gpus-per-node": (ns.gpus_per_node, 0, MAX_SLOTS),
+            "--nproc-per-node": (ns.nproc_per_node, 1, MAX_SLOTS),
+            "--cpus-per-task": (ns.cpus_per_task, 1, MAX_CPUS),
+        }
+    )
     if ns.max_restarts is not None and ns.max_restarts < 0:  # torchrun's own rule
         raise LaunchError(f"--max-restarts {ns.max_restarts}", "torchrun restarts the workers 0 or more times",
                           "give 0 (no restart) or more")  # fmt: skip

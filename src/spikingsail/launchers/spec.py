@@ -25,6 +25,15 @@ def in_range(
     raise LaunchError(f"{flag} {str(value)[:40]}", f"{why}: a number {bounds} to {high:g}", fix)
 
 
+def check_counts(counts: dict[str, tuple[int | None, int, int]]) -> None:
+    """Every given count (flag → value, low, high) a whole number from low to high."""
+    for flag, (value, low, high) in counts.items():
+        if value is not None:
+            in_range(
+                flag, value, low, high, why="it is a count", fix=f"give a whole number from {low} to {high}"
+            )
+
+
 def check_port(flag: str, value: int, fix: str) -> int:
     return int(in_range(flag, value, 1, MAX_PORT, why="it is a TCP port", fix=fix))
 

@@ -5,6 +5,7 @@
     python benchmarks/engine_vs_ddp.py --backend fsdp    # engine on FSDP2 against a fully_shard loop
     python benchmarks/engine_vs_ddp.py --backend deepspeed --zero-stage 2   # against DeepSpeed's own loop
     python benchmarks/engine_vs_ddp.py --backend horovod    # under horovodrun, against a Horovod loop
+    python benchmarks/engine_vs_ddp.py --calls           # Python calls per step (cProfile), tiny model
 
 Both loops train the same model on the same pre-made batches in the same process group; their
 steps alternate one by one, so machine noise and allocator state hit both alike (alternating in
@@ -175,6 +176,59 @@ def compare(
     return hand, engine, bare, quiet
 
 
+def calls_per_step(step: Step, data: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Python calls (functions and builtins, as cProfile counts them) per step of ``step``, after warm-up."""
+    import cProfile
+    import pstats
+
+    for x, y in data[:WARMUP]:
+        step(x, y)
+    profile = cProfile.Profile()
+    profile.enable()
+    for x, y in data:
+        step(x, y)
+    profile.disable()
+    return float(pstats.Stats(profile).total_calls) / len(data)  # type: ignore[attr-defined]
+
+
+def fabric_loop(base: nn.Module) -> Step | None:
+    """Lightning Fabric's documented loop on the same process group, where lightning is installed."""
+    try:
+        from lightning.fabric import Fabric
+    except ImportError:
+        return None
+    fabric = Fabric(
+        accelerator="cpu", devices=1, strategy="ddp"
+    )  # the job's own group, as torchrun starts it
+    fabric._strategy._setup_distributed = lambda: None  # type: ignore[attr-defined]
+    model, optimizer = fabric.setup(base, torch.optim.SGD(base.parameters(), lr=0.01))
+
+    def fabric_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = F.cross_entropy(model(x), y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return fabric_step
+
+
+def count_calls(steps: int) -> list[tuple[str, float]]:
+    """Calls per optimizer step of the tiny model's loops (rank 0's; every rank runs them alike)."""
+    torch.manual_seed(0)
+    base = next(iter(MODELS.values()))()
+    data = batches(base, steps)
+    rows = [("ddp by hand", calls_per_step(by_hand(copy.deepcopy(base), "ddp", 0), data))]
+    for name, sail in (("engine, defaults", {}),
+                       ("engine, monitoring off", {"hang_timeout_seconds": 0, "straggler_window": 0})):  # fmt: skip
+        step, close = engine_loop(base, "ddp", 0, **sail)
+        rows.append((name, calls_per_step(step, data)))
+        close()
+    fabric = fabric_loop(copy.deepcopy(base))
+    if fabric is not None:
+        rows.append(("Lightning Fabric", calls_per_step(fabric, data)))
+    return rows
+
+
 def heartbeat_cost() -> float:
     """Seconds per micro-step of the heartbeat alone: forward, backward and step each enter and leave."""
     with tempfile.TemporaryDirectory() as directory:
@@ -200,6 +254,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="measured steps per loop and model")
     parser.add_argument("--backend", choices=["ddp", "fsdp", "deepspeed", "horovod"], default="ddp")
     parser.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage for --backend deepspeed")
+    parser.add_argument("--calls", action="store_true", help="count Python calls per step instead of timing")
     args = parser.parse_args()
     sail = [sys.executable, "-m", "spikingsail.cli.main", "launch"]
     if args.backend == "horovod":
@@ -210,6 +265,16 @@ def main() -> None:
     elif "RANK" not in os.environ:
         os.execv(sys.executable, [*sail, "-n", "2", __file__, *sys.argv[1:]])
     dist.init_process_group("gloo")
+    if args.calls:
+        counted = count_calls(args.steps)
+        if dist.get_rank() == 0:
+            print(f"\n{'loop (tiny model, 2 gloo ranks)':<34}{'calls/step':>11}{'over by hand':>14}")
+            for name, calls in counted:
+                print(f"{name:<34}{calls:>11.1f}{calls - counted[0][1]:>+14.1f}")
+            print(f"(cProfile's count on rank 0 over {args.steps} steps after {WARMUP} of warm-up; "
+                  "the engine's defaults print every 10 steps and compare the ranks every 20)")  # fmt: skip
+        dist.destroy_process_group()
+        return
     rows = [
         (name, *compare(name, make, args.steps, args.backend, args.zero_stage))
         for name, make in MODELS.items()

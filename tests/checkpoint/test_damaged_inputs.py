@@ -16,8 +16,8 @@ import torch
 
 import spikingsail
 from spikingsail.checkpoint.export import read_saved_model
+from spikingsail.checkpoint.replica_dirs import newest_group_checkpoints
 from spikingsail.checkpoint.store import CheckpointStore
-from spikingsail.engine.replicas import newest_group_checkpoints
 from spikingsail.errors import CheckpointError
 from tests.checkpoint.damaged import NEWER, OLDER, copy_run, reseal, sail, write_run
 

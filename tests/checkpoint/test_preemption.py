@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from spikingsail.checkpoint.preemption import PREEMPTED_EXIT_CODE
 from spikingsail.checkpoint.store import CheckpointStore
-from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.multiprocess
 JOB = Path(__file__).with_name("jobs") / "elastic_job.py"

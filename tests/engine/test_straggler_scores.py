@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from spikingsail.engine.hooks import StepNotes
 from spikingsail.engine.stragglers import DEVIATIONS, PERSISTENT_WINDOWS, PHASES, STEPS, StragglerWatch
 from spikingsail.engine.timing import spread
 
@@ -20,10 +21,25 @@ Timing = Callable[[int, int], float]
 """(step, rank) -> the rank's work in that step, in seconds."""
 
 
-def watch(world: int, window: int = WINDOW) -> StragglerWatch:
-    return StragglerWatch(
-        torch.nn.Linear(2, 2), torch.device("cpu"), world_size=world, window=window, factor=1.25
-    )
+def watch(
+    world: int, window: int = WINDOW, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+) -> StragglerWatch:
+    """Rank 0's watch, its clock stopped: only the scripted spans take time."""
+    w = StragglerWatch(
+        torch.nn.Linear(2, 2), torch.device("cpu"), rank=0, world_size=world, window=window, factor=1.25,
+        all_reduce_sum=all_reduce_sum, hosts=lambda: [f"node{r}" for r in range(world)],
+    )  # fmt: skip
+    w.clock.mark = lambda: 0.0
+    return w
+
+
+def step(w: StragglerWatch, number: int, forward_seconds: float) -> dict[str, Any] | None:
+    """One optimizer step of rank 0 whose forward took ``forward_seconds``, through the watch's hooks."""
+    w._spans.append((None, 0.0, forward_seconds, None, forward_seconds))  # data, forward, backward, last, end
+    w.optimizer_begin()
+    notes = StepNotes(step=number)
+    w.optimizer_end(notes)
+    return notes.stragglers
 
 
 def row(forward_ms: list[float], comm_ms: float = 0.0) -> torch.Tensor:
@@ -41,7 +57,6 @@ def run(
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """``steps`` optimizer steps of rank 0's watch: its own work through its clock's spans, the other
     ranks' through the all-reduce. Returns the window reports and the warnings."""
-    w = watch(world, window)
     others: list[list[float]] = [[] for _ in range(world)]
     reports, warnings = [], []
     handler = logging.Handler()
@@ -55,12 +70,13 @@ def run(
             others[r].clear()
         return mine
 
+    w = watch(world, window, all_reduce_sum)
     try:
-        for step in range(1, steps + 1):
-            w._span("forward", 0.0, timing(step, 0))
+        for number in range(1, steps + 1):
+            own = timing(number, 0)
             for r in range(1, world):
-                others[r].append(1000 * timing(step, r))
-            report = w.after_step(step, 0, all_reduce_sum, lambda: [f"node{r}" for r in range(world)])
+                others[r].append(1000 * timing(number, r))
+            report = step(w, number, own)
             if report is not None:
                 reports.append(report)
     finally:
@@ -104,9 +120,9 @@ def machine(
 
 
 def test_scores_are_work_over_the_other_ranks_median_and_comm_is_not_work() -> None:
-    w = watch(4, window=1)
     totals = torch.stack([row([10.0], 30.0), row([10.0], 30.0), row([20.0]), row([12.0], 25.0)])
-    report = w.after_step(1, 0, lambda _mine: totals, lambda: [f"node{r}" for r in range(4)])
+    w = watch(4, window=1, all_reduce_sum=lambda _mine: totals)
+    report = step(w, 1, 0.010)
     assert report is not None
     assert report["scores"] == [0.833, 0.833, 2.0, 1.2]
     assert report["ms_per_step"]["comm"] == [30.0, 30.0, 0.0, 25.0]

@@ -590,8 +590,8 @@ def test_a_refused_replica_engine_leaves_nothing_running(
 
 
 def test_a_group_saves_under_its_own_directory_and_a_load_finds_the_furthest(tmp_path: Path) -> None:
+    from spikingsail.checkpoint.replica_dirs import checkpoints_to_load, own_group_checkpoints
     from spikingsail.checkpoint.store import CheckpointStore
-    from spikingsail.engine.replicas import checkpoints_to_load, own_group_checkpoints
 
     assert own_group_checkpoints(tmp_path, 1) == tmp_path / "replica-1"
     assert own_group_checkpoints(tmp_path / "replica-1", 1) == tmp_path / "replica-1"

@@ -98,6 +98,20 @@ class Backend(ABC):
             lr_scheduler = build_scheduler(config.scheduler, stepped, config.source)
         return wrapped, stepped, lr_scheduler
 
+    def direct_step(self) -> bool:
+        """Whether at this config the step needs nothing of the backend around the model's own calls:
+        the backend's forward, backward and step are the defaults, full fp32 (no autocast, no loss
+        scale), no clipping, and every forward synchronises its backward (no accumulation). The engine
+        then calls ``model(...)``, ``loss.backward()``, ``optimizer.step()`` itself."""
+        cls, config = type(self), self.config
+        return (
+            config.gradient_accumulation_steps == 1
+            and config.gradient_clipping == 0
+            and type(self.precision) is Precision
+            and all(getattr(cls, name) is getattr(Backend, name)
+                    for name in ("prepare_inputs", "backward", "step", "optimizer_step"))
+        )  # fmt: skip
+
     def prepare_inputs(self, inputs: Any) -> Any:
         """Adapt a forward's arguments to the wrapped module (dtype of a half-precision model)."""
         return inputs

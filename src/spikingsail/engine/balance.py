@@ -34,11 +34,10 @@ all-gathers) would hide the difference there; they take fixed weights only.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -141,22 +140,6 @@ class Balancer:
     def attach(self, model: nn.Module, device: torch.device) -> None:
         if self.auto and self.timer is None:
             self.timer = ComputeTimer(model, device)
-
-    def count(self, samples: int) -> None:
-        """A training forward of ``samples`` samples of this rank's share."""
-        if self.timer is not None:
-            self.timer.samples += samples
-
-    @contextlib.contextmanager
-    def timing_backward(self) -> Iterator[None]:
-        if self.timer is None:
-            yield
-            return
-        self.timer.begin_backward()
-        try:
-            yield
-        finally:
-            self.timer.end_backward()
 
     def after_step(
         self, step: int, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor], rank: int

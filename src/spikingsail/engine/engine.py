@@ -2,57 +2,44 @@
 
 It keeps DeepSpeed's bookkeeping — ``micro_steps`` counts every ``step()`` call, an optimizer step
 happens on accumulation boundaries only and increments ``global_steps`` — and delegates all
-parallelism to a ``Backend``.
+parallelism to a ``Backend``, checkpoints to a ``Checkpointer``, the split of each batch to a
+``BatchSplit`` (``engine/split.py``), and everything else a step may do to the features that are on,
+through its step hooks (``engine/hooks.py``).
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import logging
 import os
 import random
-import socket
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from spikingsail.backends.base import Backend
-from spikingsail.checkpoint import engine_state, faults
+from spikingsail.checkpoint.checkpointer import Checkpointer, on_rank_zero
 from spikingsail.checkpoint.engine_state import TrainingState, merged_state_dict
-from spikingsail.checkpoint.lock import JobLock, fence
-from spikingsail.checkpoint.store import CheckpointStore
-from spikingsail.config.parse import check_balance_weights
 from spikingsail.config.schema import SailConfig
 from spikingsail.data.loader import ShardedLoader
-from spikingsail.data.sampler import ReplicaBatchSampler
-from spikingsail.engine.balance import Balancer, loss_weight
-from spikingsail.engine.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
-from spikingsail.engine.replicas import (
-    ReplicaEnv,
-    ReplicaGroups,
-    checkpoints_to_load,
-    local_state,
-    own_group_checkpoints,
-)
+from spikingsail.engine import features
+from spikingsail.engine.hooks import StepHooks, StepNotes
+from spikingsail.engine.replicas import ReplicaEnv
+from spikingsail.engine.split import EqualSplit, ReplicaSplit, balanced_split
 from spikingsail.engine.state import Entry, LoaderPositions, OptimizerHyperparameters, StepCounters
-from spikingsail.engine.stragglers import StragglerWatch
 from spikingsail.environments import RankInfo
 from spikingsail.errors import CheckpointError, ConfigError, SailError
-from spikingsail.monitor import heartbeat
-from spikingsail.monitor.hangwatch import BACKWARD, CHECKPOINT, COLLECTIVE, FORWARD, OPTIMIZER
-from spikingsail.monitor.heartbeat import Heartbeat, NoHeartbeat
-from spikingsail.monitor.steps import StepMonitor, StepRecord
-from spikingsail.monitor.trackers import check_installed, flatten, make_trackers
+from spikingsail.monitor.hangwatch import CHECKPOINT, COLLECTIVE
+from spikingsail.monitor.heartbeat import NoHeartbeat
 from spikingsail.precision import Precision
 from spikingsail.snn.chunking import time_chunked
 from spikingsail.snn.encoding import encode
@@ -73,16 +60,6 @@ class Engine:
     model wrapped by the chosen backend, called as ``engine(batch)``, with ``backward``, ``step``, a
     sharded ``dataloader``, checkpoints and the trained model out; the same calls on every backend."""
 
-    _pending_save: tuple[engine_state.SaveHandle, bool] | None
-    """A background save being written, and whether its failure ends the job."""
-    _saved_in_background: bool
-    """A background save was made: every step then asks whether one has finished on every rank."""
-    _weighted_loader: ShardedLoader | None
-    """The training loader made last: its batches' shares weigh the losses."""
-    _weighs_losses: bool
-    """Losses are weighted by their share of the step: with ``sail.balance``, or once a training
-    loader's epochs end with a short step (without either, ``backward`` takes no weight at all)."""
-
     def __init__(
         self,
         *,
@@ -102,299 +79,190 @@ class Engine:
         if config.sail.deterministic:
             use_deterministic_algorithms()
         self.device = backend.setup()
+        self._closing = ExitStack()  # what close() unwinds, last made first
+        self._closing.callback(backend.teardown)
+        self._closed = False
         try:
-            self.module = model.to(self.device)
-            self.snn = SpikingSupport.for_model(config.snn, self.module, config.source)
-            if config.snn.sync_batchnorm and rank_info.distributed:
-                self.module = convert_sync_batchnorm(self.module)  # keeps the Parameter objects
-            if config.snn.time_chunk != 0:  # keeps the Parameter objects and the state_dict keys
-                adapter = self.snn.adapter.name if self.snn.adapter is not None else None
-                self.module = time_chunked(
-                    self.module, config.snn, adapter, self.snn.multi_step, config.source
-                )
-            _keep_neuron_state_per_rank(self.module, self.snn)
-            self.precision: Precision = backend.select_precision()
-            self.wrapped_module, self.optimizer, self.lr_scheduler = backend.setup_module_and_optimizer(
-                self.module, optimizer, lr_scheduler
-            )
-            self.balancer = self._make_balancer()
-            self.stragglers = (
-                StragglerWatch(self.module, self.device, world_size=rank_info.world_size,
-                               window=config.sail.straggler_window, factor=config.sail.straggler_factor)
-                if config.sail.straggler_window and rank_info.world_size > 1 and dist.is_initialized()
-                else None
-            )  # fmt: skip
-            self.heartbeat, self._hang_watch = self._start_hang_watch()
-        except BaseException:
-            backend.teardown()  # leave the process group: a failed start must not leave it up
+            self._build(model, optimizer, lr_scheduler)
+        except BaseException:  # a failed start leaves nothing up: no process group, watch or lock
+            self._closed = True
+            self._closing.close()
             raise
-        self._weighted_loader, self._weighs_losses = None, self.balancer is not None
-        self.counters = StepCounters(accumulation=config.gradient_accumulation_steps)
-        self._window_losses: list[torch.Tensor] = []
-        self.loaders = LoaderPositions()
-        self._last_save = time.monotonic()
-        self._last_saved: tuple[str, int] | None = None  # (directory, micro_steps) of the last save
-        self._pending_save, self._saved_in_background = None, False
-        self._ckpt_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
-        self._preemption = PreemptionWatch(
-            config.checkpoint.path is not None and config.checkpoint.save_on_preemption
+        atexit.register(self._close_at_exit)
+        # What exists now (torch's modules, the model) lives as long as the job: out of the garbage
+        # collector's way, a full collection during training scans only what training makes, instead
+        # of pausing one rank for the whole heap (a second on a throttled CPU: the others wait for it).
+        gc.collect()
+        gc.freeze()
+        log.info("engine ready: rank %d of %d on %s", rank_info.rank, rank_info.world_size, self.device)
+
+    def _build(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        lr_scheduler: LRScheduler | None,
+    ) -> None:
+        config, rank_info, backend, closing = self.config, self.rank_info, self.backend, self._closing
+        self.module = model.to(self.device)
+        self.snn = SpikingSupport.for_model(config.snn, self.module, config.source)
+        if config.snn.sync_batchnorm and rank_info.distributed:
+            self.module = convert_sync_batchnorm(self.module)  # keeps the Parameter objects
+        if config.snn.time_chunk != 0:  # keeps the Parameter objects and the state_dict keys
+            adapter = self.snn.adapter.name if self.snn.adapter is not None else None
+            self.module = time_chunked(self.module, config.snn, adapter, self.snn.multi_step, config.source)
+        _keep_neuron_state_per_rank(self.module, self.snn)
+        self.precision: Precision = backend.select_precision()
+        self.wrapped_module, self.optimizer, self.lr_scheduler = backend.setup_module_and_optimizer(
+            self.module, optimizer, lr_scheduler
         )
+        self.counters = StepCounters(accumulation=config.gradient_accumulation_steps)
+        self.loaders = LoaderPositions()
+        self.hooks, self._notes = StepHooks(), StepNotes()
         # Inputs already on the CPU need no move; skipping the walk keeps tiny steps cheap.
         self._move_inputs = config.sail.move_inputs_to_device and self.device.type != "cpu"
-        try:
-            self.monitor = self._make_monitor()
-        except BaseException:  # a tracker that cannot start: nothing of the engine stays up
-            self.heartbeat.close()
-            heartbeat.stop(self._hang_watch)
-            backend.teardown()
-            raise
-        self._known_roots: set[str] = set()  # checkpoint directories that existed: not made again
-        self._job_lock = self._lock_checkpoint_directory(config.checkpoint.path)
-        self._closed = False
-        atexit.register(self._close_at_exit)
-        self._replica_loader: ShardedLoader | None = None
-        self.replicas = self._replica_groups()
-        log.info("engine ready: rank %d of %d on %s", rank_info.rank, rank_info.world_size, self.device)
+        self._direct = backend.direct_step() and not self._move_inputs
+        """The step is the model's own calls: nothing of the backend or precision around them."""
+        self.split: EqualSplit = balanced_split(
+            config, self.counters, self.module, self.device, rank_info, backend
+        )
+        closing.callback(self.split.close)
+        # step hooks: the first added enters first and leaves last (the heartbeat's record holds the rest)
+        self.heartbeat = features.hang_watch(config, rank_info, self.counters, self.log_dir, closing)
+        self.monitor = features.monitor(config, rank_info, self.log_dir, closing)
+        self.monitor.attach(accumulation=self.counters.accumulation, lr=lambda: self.get_lr()[0],
+                            loss_scale=lambda: self.loss_scale)  # fmt: skip
+        stragglers = features.straggler_watch(config, rank_info, self.module, self.device, backend, closing)
+        for feature, on in ((self.heartbeat, not isinstance(self.heartbeat, NoHeartbeat)),
+                            (self.monitor, self.monitor.enabled), (self.snn, self.snn.active),
+                            (self.split, True), (stragglers, stragglers is not None)):  # fmt: skip
+            if on:
+                self.hooks.add(feature)
+        replica_env = ReplicaEnv.from_env()
+        self.checkpointer = Checkpointer.start(
+            config.checkpoint, rank_info=rank_info, device=self.device, state=self._training_state,
+            steps=self.counters, beat=self.heartbeat, report=self.monitor.event,
+            replica_group=replica_env.group if replica_env is not None else None, close_job=self.close,
+        )  # fmt: skip
+        closing.callback(self.checkpointer.close)
+        self._follow_checkpointer()
+        if replica_env is not None:  # torchft's manager, no quorum yet (join_replica_groups)
+            self.split = ReplicaSplit(config, self.counters, replica_env, rank_info, self.device, self.module,
+                                      self.optimizer, backend, (self.state_dict, self.load_state_dict))  # fmt: skip
+            closing.callback(self.split.close)
+            self.hooks.add(self.split)
+        self._backward: Callable[[torch.Tensor], None] = (
+            torch.Tensor.backward if self._direct else backend.backward
+        )
 
     # -- the training step -------------------------------------------------------------------
 
-    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
-        return self.forward(*inputs, **kwargs)
-
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward (what ``engine(batch)`` calls), with the inputs moved to ``engine.device`` and the backend's precision and spiking-neuron handling around it."""
-        self.heartbeat.enter(FORWARD)
+        for hook in self.hooks.forward_begin:
+            hook()
+        if self._direct:
+            out = self.wrapped_module(*inputs, **kwargs)
+        else:
+            out = self._backend_forward(inputs, kwargs)
+        for hook in self.hooks.forward_end:
+            hook()
+        return out
+
+    __call__ = forward
+
+    def _backend_forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._move_inputs:
             inputs, kwargs = map_tensors((inputs, kwargs), lambda t: t.to(self.device, non_blocking=True))
         sync = self.is_gradient_accumulation_boundary() or not torch.is_grad_enabled()
-        self.snn.before_forward()
         inputs, kwargs = self.backend.prepare_inputs((inputs, kwargs))
-        self._count_samples()
-        watch = self.stragglers if torch.is_grad_enabled() and self.module.training else None
-        start = watch.forward_begins() if watch is not None else None
         with self.backend.gradient_sync(sync), self.precision.autocast():
-            out = self.wrapped_module(*inputs, **kwargs)
-        if watch is not None:
-            watch.forward_ends(start)
-        self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
-        return out
-
-    def _count_samples(self) -> None:
-        """With ``balance: auto``, count this forward's samples when it trains on the balanced loader."""
-        share = self._weighted_loader.share if self._weighted_loader is not None else None
-        if (
-            self.balancer is not None
-            and share is not None
-            and torch.is_grad_enabled()
-            and self.module.training
-        ):
-            self.balancer.count(share[0])
+            return self.wrapped_module(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss`` averaged over the accumulation window (and scaled for fp16)."""
-        accumulation = self.config.gradient_accumulation_steps
-        self.heartbeat.enter(BACKWARD, collective=self.is_gradient_accumulation_boundary())
-        self._window_losses.append(loss.detach() / accumulation if accumulation > 1 else loss.detach())
-        start = self.stragglers.backward_begins() if self.stragglers is not None else None
-        if self.replicas is not None:
-            self.backend.backward(loss * self._replica_loss_weight())
-        elif not self._weighs_losses:
-            self.backend.backward(loss)
-        elif self.balancer is None:  # an epoch's short step: each rank's loss weighs its samples
-            self.backend.backward(loss * self._loss_weight())
-        else:
-            with self.balancer.timing_backward():
-                self.backend.backward(loss * self._loss_weight())
-        if self.stragglers is not None:
-            self.stragglers.backward_ends(start)
-        self.snn.after_backward(self.is_gradient_accumulation_boundary())
-        self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
+        """Backpropagate ``loss`` averaged over the accumulation window (and scaled for fp16), weighed
+        by its batch's share of the step where shares differ."""
+        boundary = (self.counters.micro_steps + 1) % self.counters.accumulation == 0
+        for begin in self.hooks.backward_begin:
+            begin(loss, boundary)
+        self._backward(self.split.weigh(loss) if self.split.weighs else loss)
+        for end in self.hooks.backward_end:
+            end(boundary)
 
     def step(self) -> None:
         """End a micro-step; on an accumulation boundary, update the weights."""
-        boundary = self.is_gradient_accumulation_boundary()
-        self.heartbeat.enter(OPTIMIZER, collective=boundary)
-        if boundary and self.replicas is not None and not self.replicas.reduce_and_vote(self._parameters()):
-            self._discard_step()
-            return
-        start = self.stragglers.optimizer_begins() if self.stragglers is not None else None
-        skipped = self.backend.step(self.optimizer, self.lr_scheduler, boundary=boundary)
-        if self.stragglers is not None:
-            self.stragglers.optimizer_ends(start)
+        counters, hooks = self.counters, self.hooks
+        boundary = (counters.micro_steps + 1) % counters.accumulation == 0
+        for begin in hooks.step_begin:
+            begin(boundary)
         if boundary:
-            self._after_optimizer_step(skipped)
-        self.counters.micro_steps += 1
+            for vote in hooks.vote:
+                if not vote():
+                    return self._discard_step()
+            for ready in hooks.optimizer_begin:
+                ready()
+        if self._direct:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            skipped = False
+        else:
+            skipped = self.backend.step(self.optimizer, self.lr_scheduler, boundary=boundary)
+        counters.micro_steps += 1
         if boundary:
-            self._poll_background_save()
-            # After the counter moves on: a checkpoint must record the step as finished, or a
-            # resume would take its first micro-step for the end of an accumulation window.
-            self._maybe_save()
-            if self._preemption.agreed(self.device):
-                self._save_and_exit_for_requeue()
-        self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
-
-    def _parameters(self) -> Iterator[torch.nn.Parameter]:
-        return (p for group in self.optimizer.param_groups for p in group["params"])
+            if skipped:
+                counters.skipped_steps += 1
+                log.warning(
+                    "fp16 overflow: step %d skipped, loss scale now %g",
+                    counters.global_steps,
+                    self.loss_scale,
+                )
+            counters.global_steps += 1
+            counters.global_samples += self.config.train_batch_size
+            notes = self._notes
+            notes.step, notes.skipped = counters.global_steps, skipped
+            for stepped in hooks.optimizer_end:
+                stepped(notes)
+        # after the counters moved on: a checkpoint saved here records the step as finished, or a
+        # resume would take its first micro-step for the end of an accumulation window
+        for end in hooks.step_end:
+            end(boundary)
+        return None
 
     def _discard_step(self) -> None:
         """The replica groups did not commit this step: forget its gradients and take it again
         (the engine's loader serves the same samples)."""
         self.optimizer.zero_grad(set_to_none=True)
-        self._window_losses = []
-        self.counters.micro_steps = self.counters.global_steps * self.config.gradient_accumulation_steps
+        self.counters.micro_steps = self.counters.global_steps * self.counters.accumulation
         log.warning("step %d not committed by the replica groups (a peer failed): taking it again",
                     self.counters.global_steps + 1)  # fmt: skip
-        self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
-
-    def _replica_loss_weight(self) -> float:
-        """n × accumulation × this rank's samples / the step's: DDP averages over the group's n ranks and
-        the groups' gradients are summed, so the step's gradient is the mean over the global batch."""
-        share = self._replica_loader.share if self._replica_loader is not None else None
-        if share is None:
-            raise ConfigError(
-                "the job runs as replica groups (sail launch --ft-replicas), but this loss does not "
-                "come from a batch of engine.dataloader(...)",
-                "while a group is missing the others take its share of every step, which only the "
-                "engine's loader knows",
-                "iterate engine.dataloader(dataset) for training",
-            )
-        return loss_weight(*share, self.rank_info.world_size, self.counters.accumulation)
-
-    def _replica_groups(self) -> ReplicaGroups | None:
-        """Under ``sail launch --ft-replicas``: this group's torchft manager (no quorum yet)."""
-        self.replicas = None  # close() reads it
-        env = ReplicaEnv.from_env()
-        if env is None:
-            return None
-        try:
-            if self.config.checkpoint.path is None and self.rank_info.is_rank_zero:
-                log.warning("replica group %d has no checkpoint path: if it restarts while no other group is "
-                            "alive it starts from step 0 (pass --resume --checkpoints-path DIR)", env.group)  # fmt: skip
-            state = (self._live_state, self._load_live_state)
-            return ReplicaGroups(
-                self.config.fault_tolerance, env, self.rank_info, self.device, state, self._replicated_tensors
-            )
-        except BaseException:  # torchft could not start: nothing of the engine stays up
-            self.close()
-            raise
+        for forget in self.hooks.discarded:
+            forget()
+        for end in self.hooks.step_end:
+            end(False)
 
     def join_replica_groups(self) -> None:
         """Take the first quorum of a job of replica groups (``initialize`` does, after a resume and
         before the script makes its loaders): a group behind the others heals here — torchft loads a
-        live group's state into it (``_load_live_state``) — and takes part in their step."""
-        if self.replicas is None:
-            return
-        self._refuse_inside_window("resume")
-        self.replicas.begin_step()
-        if self.counters.global_steps:
-            log.info(
-                "replica group %d in the job at step %d", self.replicas.env.group, self.counters.global_steps
-            )
+        live group's state into it — and takes part in their step."""
+        if isinstance(self.split, ReplicaSplit):
+            self.split.join()
 
-    def _refuse_inside_window(self, what: str) -> None:
-        accumulation = self.config.gradient_accumulation_steps
-        if self.counters.micro_steps % accumulation:
-            raise ConfigError(
-                f"cannot {what} inside a gradient accumulation window with replica groups (micro-step "
-                f"{self.counters.micro_steps % accumulation} of {accumulation} of step {self.global_steps + 1})",
-                "each replica group holds only its own share of the window's gradient, and a resume "
-                "continues from one group's checkpoint",
-                "save on a step boundary (is_gradient_accumulation_boundary(); the periodic saves do)",
-            )
+    @property
+    def balancer(self) -> Any:
+        """``sail.balance``'s current split and measurement (None when off)."""
+        return self.split.balancer
 
-    def _live_state(self) -> dict[str, Any]:
-        """What a healing replica group takes from this one (with ``fsdp``, this rank's shards: its
-        counterpart in the healing group holds the same ones)."""
-        return {"model": local_state(self.module.state_dict()), "optimizer": local_state(self.optimizer.state_dict()),
-                "engine": self.state_dict()}  # fmt: skip
-
-    def _replicated_tensors(self) -> Iterator[torch.Tensor]:
-        """What every replica group must hold bit for bit at the same step: the model's state and the
-        optimizer's."""
-        yield from self.module.state_dict().values()
-        for state in self.optimizer.state.values():
-            yield from (value for value in state.values() if isinstance(value, torch.Tensor))
-
-    def _load_live_state(self, state: dict[str, Any]) -> None:
-        self.backend.load_live_state(self.module, self.optimizer, state)
-        self.load_state_dict(state["engine"])
-
-    def _loss_weight(self) -> float:
-        """This rank's share of the optimizer step's samples, relative to an equal share of a whole
-        step (``sail.balance``, an epoch's short step)."""
-        share = self._weighted_loader.share if self._weighted_loader is not None else None
-        if self.balancer is None:  # a loss from elsewhere than the loader with the short step weighs 1
-            return 1.0 if share is None else loss_weight(*share, self.world_size, self.counters.accumulation)
-        if share is None:
-            raise ConfigError(
-                f"{self.config.source}: sail.balance is {self.config.sail.balance!r}, but this loss does not "
-                "come from a batch of engine.dataloader(...)",
-                "with unequal micro-batches each rank's loss is weighted by its share of the global "
-                "micro-batch, which only the engine's loader knows",
-                "iterate engine.dataloader(dataset) for training, or turn sail.balance off",
-            )
-        return self.balancer.loss_weight(*share)
-
-    def _make_balancer(self) -> Balancer | None:
-        balance, config = self.config.sail.balance, self.config
-        if balance == "off":
-            return None
-        weights: list[float] | None = None
-        if isinstance(balance, tuple):
-            weights = list(balance)
-        elif isinstance(balance, dict):
-            hosts = self._rank_hosts()
-            missing = sorted(set(hosts) - set(balance))
-            if missing:
-                raise ConfigError(
-                    f"{config.source}: sail.balance has no weight for host(s) {', '.join(missing)}",
-                    f"the ranks run on {', '.join(sorted(set(hosts)))}; the map names {', '.join(balance)}",
-                    'give every host a weight (its GPUs\' relative speed), or use "auto"',
-                )
-            weights = [balance[host] for host in hosts]
-            check_balance_weights(weights, config, hosts)
-        balancer = Balancer(
-            global_micro_batch=config.train_micro_batch_size_per_gpu * config.world_size,
-            world_size=config.world_size,
-            weights=weights,
-            rebalance_factor=config.sail.rebalance_factor,
-            accumulation=config.gradient_accumulation_steps,
-        )
-        balancer.attach(self.module, self.device)
-        if self.rank_info.is_rank_zero:
-            log.info("balance %s: micro-batches per rank %s", "auto" if weights is None else "by weight",
-                     balancer.split)  # fmt: skip
-        return balancer
-
-    def _make_monitor(self) -> StepMonitor:
-        """Rank 0's progress bar, metrics file and trackers (``sail.trackers`` in ``log_dir``)."""
-        sail, zero = self.config.sail, self.rank_info.is_rank_zero
-        metrics_path = sail.metrics_path
-        if metrics_path is None and "jsonl" in sail.trackers:
-            metrics_path = str(self.log_dir / "metrics.jsonl")
-        check_installed(sail.trackers)
-        made = make_trackers(sail.trackers, self.log_dir) if zero and sail.trackers else []
-        monitor = StepMonitor(
-            enabled=zero,
-            samples_per_step=self.config.train_batch_size,
-            steps_per_print=self.config.steps_per_print,
-            progress_bar=sail.progress_bar,
-            metrics_path=metrics_path,
-            trackers=made,
-        )
-        monitor.log_hyperparams(flatten(self.config.raw))
-        return monitor
+    @property
+    def replicas(self) -> Any:
+        """This replica group's torchft manager and transport (None without ``--ft-replicas``)."""
+        return self.split.replicas
 
     @functools.cached_property
     def log_dir(self) -> Path:
         """The run's directory (``sail.log_dir``): with trackers and none set, ``runs/DATE-TIME``;
         else beside the metrics file, or the working directory (where a hang report goes)."""
-        sail = self.config.sail
-        if sail.log_dir is not None:
-            return Path(sail.log_dir)
-        if sail.trackers:
-            return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-        return Path(sail.metrics_path).parent if sail.metrics_path else Path.cwd()
+        return features.run_directory(self.config)
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
         """The script's own scalars (``{"val/accuracy": 0.93}``; numbers or one-element tensors) at
@@ -404,123 +272,6 @@ class Engine:
             return
         values = {str(k): float(v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
         self.monitor.log(values, self.global_steps if step is None else step)
-
-    def _start_hang_watch(self) -> tuple[Heartbeat | NoHeartbeat, subprocess.Popen[bytes] | None]:
-        """Progress records and each node's hang watch (``sail.hang_timeout_seconds``)."""
-        sail = self.config.sail
-        if not (sail.hang_timeout_seconds and self.world_size > 1 and dist.is_initialized()):
-            return NoHeartbeat(), None
-        if sail.hang_timeout_seconds >= 60 * sail.timeout_minutes and self.rank_info.is_rank_zero:
-            log.warning("sail.hang_timeout_seconds (%g) is not below sail.timeout_minutes (%g min): a hung "
-                        "collective times out before the hang watch can report who holds it up",
-                        sail.hang_timeout_seconds, sail.timeout_minutes)  # fmt: skip
-        return heartbeat.start(
-            rank=self.rank, world_size=self.world_size, timeout=sail.hang_timeout_seconds,
-            report_dir=str(self.log_dir.resolve()), board_host=os.environ.get("MASTER_ADDR"),
-        )  # fmt: skip
-
-    def _rank_hosts(self) -> list[str]:
-        hosts: list[Any] = [socket.gethostname()] * self.world_size
-        if dist.is_initialized():
-            dist.all_gather_object(hosts, socket.gethostname())
-        return [str(h) for h in hosts]
-
-    def _save_and_exit_for_requeue(self) -> None:
-        assert self.config.checkpoint.path is not None  # the watch is armed only with a path
-        root = self.config.checkpoint.path
-        if self._last_saved == (str(Path(root)), self.micro_steps):
-            # this step's periodic save holds exactly this state: writing it again would only
-            # replace a good checkpoint with the same bytes
-            self._settle_pending(stops=True)
-            path = str(Path(root) / f"global_step{self.global_steps}")
-        else:
-            path = self.save_checkpoint(root, async_save=False)
-        log.warning("preempted by signal %s: saved %s; exiting with status %d (requeue me)",
-                    self._preemption.signal_name, path, PREEMPTED_EXIT_CODE)  # fmt: skip
-        self.close()
-        raise SystemExit(PREEMPTED_EXIT_CODE)
-
-    def _after_optimizer_step(self, overflow: bool) -> None:
-        counters = self.counters
-        if overflow:
-            counters.skipped_steps += 1
-            log.warning(
-                "fp16 overflow: step %d skipped, loss scale now %g",
-                counters.global_steps,
-                self.loss_scale,
-            )
-        counters.global_steps += 1
-        counters.global_samples += self.config.train_batch_size
-        change = None
-        if self.balancer is not None:
-            change = self.balancer.after_step(counters.global_steps, self.backend.all_reduce_sum, self.rank)
-        stragglers = None
-        if self.stragglers is not None:
-            stragglers = self.stragglers.after_step(
-                counters.global_steps, self.rank, self.backend.all_reduce_sum, self._rank_hosts
-            )
-        if self.monitor.wants(self.global_steps):
-            losses = self._window_losses
-            self.monitor.on_step(
-                StepRecord(
-                    step=self.global_steps,
-                    loss=torch.stack(losses).float().sum() if losses else None,
-                    lr=self.get_lr()[0],
-                    loss_scale=self.loss_scale,
-                    skipped=overflow,
-                    balance=change,
-                    stragglers=stragglers,
-                )
-            )
-        self._window_losses = []
-
-    def _maybe_save(self) -> None:
-        policy = self.config.checkpoint
-        if not policy.path or not (policy.interval_steps or policy.interval_seconds):
-            return
-        due = bool(policy.interval_steps) and self.global_steps % policy.interval_steps == 0
-        if policy.interval_seconds:
-            # Ranks' clocks differ: rank 0's decides, or some ranks would enter the save alone.
-            # The flag is made on the collective's device and read back from the tensor the
-            # broadcast wrote (on a GPU, ``.to()`` of a CPU tensor is a copy).
-            elapsed = torch.tensor(
-                [time.monotonic() - self._last_save >= policy.interval_seconds],
-                dtype=torch.int32,
-                device=self.device,
-            )
-            if dist.is_initialized():
-                dist.broadcast(elapsed, src=0)
-            due = due or bool(elapsed.item())
-        if not due:
-            return
-        try:
-            self._save(policy.path, stops=policy.on_error == "stop")
-        except CheckpointError as err:
-            if policy.on_error == "stop":
-                raise
-            self._warn_failed_save(err)
-
-    def _warn_failed_save(self, err: CheckpointError) -> None:
-        """checkpoint.on_error "continue": every rank's log and the metrics file say so; training goes on."""
-        log.warning("%s\n  (checkpoint.on_error is 'continue': training goes on, and the next save comes at "
-                    "the next interval)", err)  # fmt: skip
-        self.monitor.event("checkpoint_failed", str(err), self.global_steps)
-
-    def _poll_background_save(self) -> None:
-        """A background save that has finished on every rank is settled at the step where all of
-        them know it (its failure then surfaces on every rank at the same step)."""
-        if not self._saved_in_background:
-            return
-        finished = self._pending_save is None or self._pending_save[0].done.done()
-        if dist.is_initialized() and self.world_size > 1:
-            # every step once a background save was made, pending here or not: a rank that waited
-            # for its save alone (wait_for_checkpoint) must still take part
-            # the default group, not the checkpoint group: the writer thread may be using that one
-            flag = torch.tensor([int(finished)], dtype=torch.int32, device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            finished = bool(flag.item())
-        if finished and self._pending_save is not None:
-            self._settle_pending()
 
     # -- DeepSpeed-compatible accessors --------------------------------------------------------
 
@@ -623,14 +374,13 @@ class Engine:
         made = self.loaders.made_before(dataset, arguments)
         if made is not None:
             return made
-        # with sail.balance, a training loader hands each rank its share of every global micro-batch
-        shares = self.balancer.shares if self.balancer is not None and pad and batch_size is None else None
+        # the training loader (padded, at the configured micro-batch) takes its shares or its sampler
+        # from the split, and reads its epochs in optimizer steps, the last one short on any split alike
         training = pad and batch_size is None
+        seed = seed if seed is not None else (self.config.sail.seed or 0)
         replicated = (
-            self._replica_sampler(dataset, shuffle, seed, drop_last, loader_kwargs) if training else None
+            self.split.sampler(dataset, shuffle, seed, drop_last, loader_kwargs) if training else None
         )
-        # a training loader reads its epochs in optimizer steps, the last one short on any split alike
-        accumulation = self.config.gradient_accumulation_steps if training and replicated is None else None
         loader = ShardedLoader(
             dataset,
             batch_size=batch_size or self.config.train_micro_batch_size_per_gpu,
@@ -639,54 +389,22 @@ class Engine:
             shuffle=shuffle,
             drop_last=drop_last,
             pad=pad,
-            seed=seed if seed is not None else (self.config.sail.seed or 0),
+            seed=seed,
             pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory,
             collate_fn=collate_fn,
             on_batch=self.snn.on_batch if self.snn.manages_state or self.config.snn.check_state else None,
             device=self.device if self._move_inputs else None,
-            shares=shares,
-            accumulation=accumulation,
+            shares=self.split.shares() if training else None,
+            accumulation=self.counters.accumulation if training and replicated is None else None,
             replicated=replicated,
             **loader_kwargs,
         )
-        if accumulation is not None or shares is not None:  # the training loader: the last one made
-            self._weighted_loader = loader
-            self._weighs_losses = self._weighs_losses or loader.weighs_losses
-        if replicated is not None:
-            self._replica_loader = loader
+        if training:
+            self.split.loader_made(loader)
         self.loaders.add(loader, dataset, arguments)
         return loader
 
-    def _replica_sampler(
-        self,
-        dataset: Dataset[Any],
-        shuffle: bool,
-        seed: int | None,
-        drop_last: bool,
-        loader_kwargs: dict[str, Any],
-    ) -> ReplicaBatchSampler | None:
-        if self.replicas is None:
-            return None
-        if loader_kwargs.get("num_workers", 0):
-            raise ConfigError(
-                f"engine.dataloader(num_workers={loader_kwargs['num_workers']}) in a job of replica groups "
-                "(sail launch --ft-replicas)",
-                "each batch follows the step's quorum and whether the last step committed; "
-                "worker processes would take batches ahead of both",
-                "leave num_workers at 0 for the training loader (an evaluation loader, pad=False, may use workers)",
-            )
-        accumulation = self.config.gradient_accumulation_steps
-        return ReplicaBatchSampler(
-            len(dataset),  # type: ignore[arg-type]
-            micro_samples=self.config.train_micro_batch_size_per_gpu * self.config.world_size,
-            accumulation=accumulation,
-            ranks=self.config.world_size,
-            split=self.replicas.split,
-            progress=lambda: (self.counters.global_steps, self.counters.micro_steps % accumulation),
-            shuffle=shuffle,
-            seed=seed if seed is not None else (self.config.sail.seed or 0),
-            drop_last=drop_last,
-        )
+    # -- checkpoints (the checkpointer's, under DeepSpeed's names) ------------------------------
 
     def save_checkpoint(
         self,
@@ -704,77 +422,43 @@ class Engine:
         written in the background; the checkpoint appears (and ``latest`` moves) when the write
         completes. A save waits for the previous background save first; so do loading and close().
         """
-        return self._save(save_dir, tag, client_state, async_save=async_save, stops=True)
+        path = self.checkpointer.save(save_dir, tag, client_state, async_save=async_save)
+        self._follow_checkpointer()
+        return path
 
-    def _save(
-        self,
-        save_dir: str | Path,
-        tag: str | None = None,
-        client_state: dict[str, Any] | None = None,
-        *,
-        async_save: bool | None = None,
-        stops: bool,
-    ) -> str:
-        """``save_checkpoint``; ``stops``: whether a failure of this save in the background ends the
-        job (raised where it surfaces) or is only reported (a periodic save under on_error "continue")."""
-        self.wait_for_checkpoint()
-        if self.replicas is not None:
-            self._refuse_inside_window("save")
-            save_dir = own_group_checkpoints(save_dir, self.replicas.env.group)
-        self._agree(lambda: fence(save_dir))  # a job whose directory lock was taken over saves nothing
-        background = self.config.checkpoint.async_save if async_save is None else async_save
-        root = str(Path(save_dir))
-        self.heartbeat.enter(CHECKPOINT)
-        try:
-            handle = engine_state.save(
-                self._training_state(), save_dir, tag, client_state, group=self._checkpoint_group(),
-                writer_group=self._writer_group(), background=background, create=root not in self._known_roots,
-            )  # fmt: skip
-        finally:
-            # a failed save is tried again at the next interval, not at the next step
-            self._last_save = time.monotonic()
-            self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
-        self._known_roots.add(root)
-        self._last_saved = (root, self.micro_steps) if tag is None else None
-        if background:
-            self._pending_save, self._saved_in_background = (handle, stops), True
-            log.info("checkpoint %s: writing in the background", handle.path)
-        else:
-            log.info("checkpoint saved: %s", handle.path)
-        return str(handle.path)
+    def _follow_checkpointer(self) -> None:
+        """The checkpointer takes part in the steps once it has something to do at them."""
+        if self.checkpointer.wants_steps and self.checkpointer not in self.hooks:
+            self.hooks.add(self.checkpointer)
 
     def wait_for_checkpoint(self) -> None:
         """Block until a background save has been written and committed. If it failed: raise its
         error on every rank — or, for a periodic save under checkpoint.on_error "continue", warn."""
-        self._settle_pending()
+        self.checkpointer.wait()
 
-    def _settle_pending(self, *, stops: bool | None = None) -> None:
-        pending, self._pending_save = self._pending_save, None
-        if pending is None:
-            return
-        handle, pending_stops = pending
-        from torch.distributed.checkpoint.api import CheckpointException
+    def load_checkpoint(
+        self,
+        load_dir: str | Path,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str, dict[str, Any]]:
+        """Restore a checkpoint; returns ``(path, client_state)``. ``tag`` None means the latest good one.
 
-        from spikingsail.checkpoint import dcp_io
-
-        try:
-            handle.wait()
-        except CheckpointError as err:
-            failure = err
-        except (Exception, CheckpointException) as err:
-            failure = CheckpointError(
-                f"the background save of {handle.path} failed",
-                dcp_io.describe(err),
-                "the previous checkpoint is intact and still 'latest'; check free space and permissions",
+        A resume continues the saved run: settings that shape the training must match the saved
+        ones (the split of train_batch_size over processes and accumulation may change on a step
+        boundary). ``load_module_only`` (DeepSpeed's name) takes the weights alone, for a new run.
+        """
+        path, client_state = self.checkpointer.load(
+            load_dir, tag, with_optimizer=load_optimizer_states, module_only=load_module_only
+        )
+        if not load_module_only:
+            self.backend.sync_counters(
+                self.micro_steps, self.global_steps, self.global_samples, self.skipped_steps
             )
-            failure.__cause__ = err
-        else:
-            log.info("checkpoint saved: %s", handle.path)
-            return
-        self._last_saved = None
-        if pending_stops if stops is None else stops:
-            raise failure
-        self._warn_failed_save(failure)
+            self.snn.after_load()
+            log.info("resumed from %s at step %d", path, self.global_steps)
+        return path, client_state
 
     def save_model(self, path: str | Path, *, dtype: torch.dtype = torch.float32) -> str | None:
         """Write the trained model as one consolidated state dict, loadable with
@@ -792,11 +476,13 @@ class Engine:
         if dtype not in export.DTYPES.values():
             raise SailError(f"save_model(dtype={dtype}): not a floating dtype a model is saved in",
                             fix="use torch.float32, torch.bfloat16 or torch.float16")  # fmt: skip
-        self._agree(lambda: export.check_output_path(path))  # before the gather: every rank stops
+        on_rank_zero(
+            lambda: export.check_output_path(path), self.rank_info
+        )  # before the gather: every rank stops
         self.wait_for_checkpoint()
         self.heartbeat.enter(CHECKPOINT)
         state = self.backend.consolidated_state_dict(self.module)
-        self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
+        self.heartbeat.leave(self.global_steps, self.micro_steps)
 
         def write() -> str:
             metadata = export.model_metadata(self.backend.name, self.global_steps)
@@ -806,148 +492,8 @@ class Engine:
             )
             return written
 
-        written = self._agree(write)
+        written = on_rank_zero(write, self.rank_info)
         return written if self.rank_info.is_rank_zero else None
-
-    def _agree(self, action: Callable[[], Any]) -> Any:
-        """Run ``action`` on rank 0 and hand every rank its result, or raise its ``SailError`` on
-        every rank (so that no rank waits for one that stopped)."""
-        outcome: list[Any] = [None]
-        if self.rank_info.is_rank_zero:
-            try:
-                outcome = [("ok", action())]
-            except SailError as err:
-                outcome = [("error", err)]
-        if dist.is_initialized() and self.rank_info.world_size > 1:
-            dist.broadcast_object_list(outcome, src=0)
-        kind, value = outcome[0]
-        if kind == "error":
-            raise value
-        return value
-
-    def load_checkpoint(
-        self,
-        load_dir: str | Path,
-        tag: str | None = None,
-        load_optimizer_states: bool = True,
-        load_module_only: bool = False,
-    ) -> tuple[str, dict[str, Any]]:
-        """Restore a checkpoint; returns ``(path, client_state)``. ``tag`` None means the latest good one.
-
-        A resume continues the saved run: settings that shape the training must match the saved
-        ones (the split of train_batch_size over processes and accumulation may change on a step
-        boundary). ``load_module_only`` (DeepSpeed's name) takes the weights alone, for a new run.
-        """
-        self.wait_for_checkpoint()
-        self._last_saved = None
-        load_dir = self._agreed(str(checkpoints_to_load(load_dir, tag)))
-        training = self._training_state(with_optimizer=load_optimizer_states)
-        if load_module_only:
-            path, client_state = engine_state.load_weights(
-                training, load_dir, tag, group=self._checkpoint_group()
-            )
-            log.info("weights loaded from %s; training starts at step 0", path)
-            return str(path), client_state
-        self.heartbeat.enter(CHECKPOINT)
-        path, client_state = engine_state.load(training, load_dir, tag, group=self._checkpoint_group())
-        self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
-        self.backend.sync_counters(
-            self.micro_steps, self.global_steps, self.global_samples, self.skipped_steps
-        )
-        self.snn.after_load()
-        log.info("resumed from %s at step %d", path, self.global_steps)
-        return str(path), client_state
-
-    def _agreed(self, choice: str) -> str:
-        """Rank 0's ``choice`` on every rank (what rank 0 saw of a directory another replica group may
-        be writing to)."""
-        if self.replicas is None or self.world_size == 1 or not dist.is_initialized():
-            return choice
-        chosen = [choice]
-        dist.broadcast_object_list(chosen, src=0)
-        return str(chosen[0])
-
-    def _lock_checkpoint_directory(self, directory: str | None) -> JobLock | None:
-        """Rank 0 takes the job lock of the checkpoint directory (``checkpoint/lock.py``); every rank
-        learns whether it did, so that a refusal ends every rank, not only rank 0."""
-        if directory is None:
-            return None
-        try:
-            self._check_checkpoint_directory(Path(directory))
-            return self._agree_on_lock(JobLock(directory) if self.rank_info.is_rank_zero else None)
-        except BaseException:
-            self.monitor.close()
-            self.heartbeat.close()
-            heartbeat.stop(self._hang_watch)
-            self._destroy_checkpoint_group()
-            self.backend.teardown()  # a refused start leaves no process group up
-            raise
-
-    def _check_checkpoint_directory(self, root: Path) -> None:
-        """Before the first step: every rank can create and write the checkpoint directory (each
-        node's, when it is node-local), and it has room for the checkpoints keep_last keeps."""
-        who = f"rank {self.rank} on {socket.gethostname()}"
-        problem = faults.probe(root, create=True, who=who)
-        group = self._checkpoint_group()
-        problems = [problem]
-        if group is not None:
-            problems = [None] * self.world_size
-            dist.all_gather_object(problems, problem, group=group)
-        found = [p for p in problems if p is not None]
-        if found:
-            raise CheckpointError(
-                f"cannot save checkpoints in {root}: {len(found)} of {len(problems)} rank(s) cannot write there",
-                "; ".join(found),
-                "make the directory writable by the job's user on every node, or choose another "
-                "--checkpoints-path (this is checked before the first step, not at the first save)",
-            )
-        self._known_roots.add(str(root))
-        self._agree(lambda: self._check_room(root))
-
-    def _check_room(self, root: Path) -> None:
-        """Room for keep_last + 1 checkpoints (the one being written), less those already there."""
-        keep_last = self.config.checkpoint.keep_last
-        existing = len(CheckpointStore(root).tags())
-        copies = max(1, (keep_last or 1) + 1 - min(existing, keep_last or 1))
-        estimate = faults.estimate_bytes(self.module, self.optimizer)
-        refusal = faults.check_room(root, estimate, copies)
-        if refusal is not None:
-            raise refusal
-
-    def _agree_on_lock(self, lock: JobLock | None) -> JobLock | None:
-        refusal: tuple[str, str, str] | None = None
-        if lock is not None:
-            try:
-                lock.acquire()
-            except CheckpointError as err:
-                refusal = (err.what, err.why, err.fix)
-        group = self._checkpoint_group()
-        if group is not None:
-            box = [refusal]
-            dist.broadcast_object_list(box, src=0, group=group)
-            refusal = box[0]
-        if refusal is not None:
-            raise CheckpointError(*refusal)
-        return lock
-
-    def _checkpoint_group(self) -> dist.ProcessGroup | None:
-        """A gloo group of its own for checkpoint coordination, also from a background thread."""
-        return self._checkpoint_groups()[0]
-
-    def _writer_group(self) -> dist.ProcessGroup | None:
-        """The group a background save's writer thread uses: while it writes, the ranks agree on
-        the save's start in the coordination group (one group used by two threads at once would
-        see their collectives in different orders on different ranks)."""
-        return self._checkpoint_groups()[1]
-
-    def _checkpoint_groups(self) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-        if not dist.is_initialized():
-            return None, None
-        if self._ckpt_groups is None:
-            coordination, writer = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")  # all ranks
-            assert isinstance(coordination, dist.ProcessGroup) and isinstance(writer, dist.ProcessGroup)
-            self._ckpt_groups = coordination, writer
-        return self._ckpt_groups[0], self._ckpt_groups[1]
 
     def restore_loaders(self, states: list[dict[str, int]]) -> None:
         """Data positions from a checkpoint, for loaders made so far and those made later (by order)."""
@@ -964,8 +510,8 @@ class Engine:
         parts["lr_scheduler"] = Entry("lr_scheduler", self.lr_scheduler)
         parts["precision"] = Entry("precision", self.precision)
         parts["loaders"] = self.loaders
-        parts["balance"] = Entry("balance", self.balancer)
-        parts["fault_tolerance"] = Entry("fault_tolerance", self.replicas)
+        parts["balance"] = Entry("balance", self.split.balancer)
+        parts["fault_tolerance"] = Entry("fault_tolerance", self.split.replicas)
         return parts
 
     def state_dict(self) -> dict[str, Any]:
@@ -1005,7 +551,7 @@ class Engine:
         """Sum ``tensor`` over all ranks (a copy; the input is left as it was)."""
         self.heartbeat.enter(COLLECTIVE, collective=True)
         total = self.backend.all_reduce_sum(tensor)
-        self.heartbeat.leave(self.counters.global_steps, self.counters.micro_steps)
+        self.heartbeat.leave(self.global_steps, self.micro_steps)
         return total
 
     def close(self) -> None:
@@ -1017,28 +563,7 @@ class Engine:
             return
         self._closed = True
         atexit.unregister(self._close_at_exit)
-        self._preemption.disarm()
-        failure: CheckpointError | None = None
-        try:
-            self._settle_pending()
-        except CheckpointError as err:  # raised once the engine is down
-            failure = err
-        finally:
-            self.monitor.close()
-            if self.balancer is not None:
-                self.balancer.close()
-            if self.stragglers is not None:
-                self.stragglers.close()
-            self.heartbeat.close()
-            heartbeat.stop(self._hang_watch)
-            if self._job_lock is not None:
-                self._job_lock.release()
-            self._destroy_checkpoint_group()
-            if self.replicas is not None:
-                self.replicas.shutdown()
-            self.backend.teardown()
-        if failure is not None:
-            raise failure
+        self._closing.close()  # a background save's failure is raised once everything is down
 
     def _close_at_exit(self) -> None:
         """``close`` at interpreter exit (the script did not call it): a background save that failed
@@ -1049,14 +574,6 @@ class Engine:
             sys.excepthook(type(err), err, None)  # the message, and torchrun's error file
             sys.stderr.flush()
             os._exit(1)
-
-    def _destroy_checkpoint_group(self) -> None:
-        if self._ckpt_groups is not None:
-            # now, not at interpreter exit, and also when the default group is the user's
-            if dist.is_initialized():
-                for group in self._ckpt_groups:
-                    dist.destroy_process_group(group)
-            self._ckpt_groups = None
 
     def __enter__(self) -> Engine:
         return self

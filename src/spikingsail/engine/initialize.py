@@ -19,17 +19,16 @@ import torch
 import torch.distributed as dist
 
 from spikingsail.backends import Backend, available, backend_class, load_config, sharding_backends
-from spikingsail.checkpoint.store import CheckpointStore
-from spikingsail.config.schema import SailConfig, summary
-from spikingsail.config.zero import offloads
-from spikingsail.engine.engine import Engine, LRScheduler
-from spikingsail.engine.replicas import (
-    ReplicaEnv,
-    check_supported,
+from spikingsail.checkpoint.replica_dirs import (
     checkpoints_to_load,
     group_checkpoints,
     newest_group_checkpoints,
 )
+from spikingsail.checkpoint.store import CheckpointStore
+from spikingsail.config.schema import SailConfig, summary
+from spikingsail.config.zero import offloads
+from spikingsail.engine.engine import Engine, LRScheduler
+from spikingsail.engine.replicas import ReplicaEnv, check_supported
 from spikingsail.environments import RankInfo, discover_rank_info
 from spikingsail.errors import ConfigError
 from spikingsail.monitor.logs import ensure_logging, report_sail_errors

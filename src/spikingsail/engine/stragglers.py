@@ -39,13 +39,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from spikingsail.engine.hooks import StepNotes
 from spikingsail.engine.timing import Clock, LastGradient, log_variance_of_mean, lower_bound, spread
 
 log = logging.getLogger(__name__)
 
 PHASES = ("data", "forward", "backward", "comm", "optimizer")
 _WORK = [i for i, phase in enumerate(PHASES) if phase != "comm"]
-_COMM = PHASES.index("comm")
+_DATA, _FORWARD, _BACKWARD, _COMM, _OPTIMIZER = range(len(PHASES))
+_STEP = "step"
+"""The first item of an optimizer step's span."""
 STEPS, DEVIATIONS = len(PHASES), len(PHASES) + 1
 """Columns of the window's all-reduce after the phases' sums: steps, and the sum of squared deviations
 of the rank's per-step work from its mean."""
@@ -57,16 +60,34 @@ Log = tuple[float, float]
 
 
 class StragglerWatch:
+    """The breakdown's step hooks on one rank; ``all_reduce_sum`` and ``hosts`` (every rank's host
+    name) are collectives, called at the same window on every rank."""
+
     def __init__(
-        self, model: nn.Module, device: torch.device, *, world_size: int, window: int, factor: float
+        self,
+        model: nn.Module,
+        device: torch.device,
+        *,
+        rank: int,
+        world_size: int,
+        window: int,
+        factor: float,
+        all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+        hosts: Callable[[], list[str]],
     ) -> None:
         self.clock = Clock(device.type == "cuda")
+        self.model = model
+        self.rank = rank
         self.world_size = world_size
         self.window = window
         self.factor = factor
-        self._spans: list[tuple[int, Any, Any]] = []  # (phase, start, end), resolved at the window's end
-        self._ends: list[int] = []  # per step of the window: the end of its spans in _spans
+        self._all_reduce_sum, self._hosts = all_reduce_sum, hosts
+        self._spans: list[tuple[Any, ...]] = []  # resolved at the window's end
         self._last_end: Any = None
+        self._data_start: Any = None
+        self._forward_start: Any = None
+        self._backward_start: Any = None
+        self._optimizer_start: Any = None
         self._steps = 0
         self._history = [deque[float](maxlen=HISTORY_WINDOWS) for _ in range(world_size)]  # log scores
         self._streaks = [
@@ -77,61 +98,49 @@ class StragglerWatch:
         self.hosts: list[str] | None = None
         self.last_gradient = LastGradient(model, self.clock)
 
-    def _span(self, phase: str, start: Any, end: Any) -> None:
-        self._spans.append((PHASES.index(phase), start, end))
+    # The engine's step hooks (``engine/hooks.py``), a few calls each. A training micro-step is one
+    # span (data start, forward start, backward start, last gradient, backward end), an optimizer
+    # step another (OPTIMIZER, start, end). Data runs from the end of the engine's last call to the
+    # forward (an evaluation forward in between counts as the script's time, as the loader's does);
+    # forward runs to the backward's start, the loss included.
 
-    def forward_begins(self) -> Any:
-        now = self.clock.mark()
-        if self._last_end is not None:
-            self._span("data", self._last_end, now)
-        return now
+    def forward_begin(self) -> None:
+        self._data_start, self._forward_start = self._last_end, self.clock.mark()
 
-    def forward_ends(self, start: Any) -> None:
-        self._last_end = self.clock.mark()
-        self._span("forward", start, self._last_end)
+    def backward_begin(self, _loss: object, _boundary: bool) -> None:
+        self._backward_start = self.clock.mark()
+        self.last_gradient.in_backward, self.last_gradient.mark = True, None
 
-    def backward_begins(self) -> Any:
-        self.last_gradient.begin()
-        return self.clock.mark()
+    def backward_end(self, _boundary: bool) -> None:
+        last_gradient = self.last_gradient
+        last_gradient.in_backward = False
+        if last_gradient.learning or last_gradient.mark is None:
+            last_gradient.learnt()
+        self._last_end = end = self.clock.mark()
+        self._spans.append(
+            (self._data_start, self._forward_start, self._backward_start, last_gradient.mark, end)
+        )
 
-    def backward_ends(self, start: Any) -> None:
-        last = self.last_gradient.end()
-        end = self.clock.mark()
-        if last is None:  # nothing needed a gradient: no wait to tell apart
-            self._span("backward", start, end)
-        else:
-            self._span("backward", start, last)
-            self._span("comm", last, end)
-        self._last_end = end
+    def optimizer_begin(self) -> None:
+        self._optimizer_start = self.clock.mark()
 
-    def optimizer_begins(self) -> Any:
-        return self.clock.mark()
-
-    def optimizer_ends(self, start: Any) -> None:
-        self._last_end = self.clock.mark()
-        self._span("optimizer", start, self._last_end)
-
-    def after_step(
-        self,
-        step: int,
-        rank: int,
-        all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
-        hosts: Callable[[], list[str]],
-    ) -> dict[str, Any] | None:
-        """At an optimizer-step boundary, on every rank alike: at a window's end, the ranks'
-        breakdown (seconds per phase, summed over the window) and scores; None in between."""
+    def optimizer_end(self, notes: StepNotes) -> None:
+        self._last_end = end = self.clock.mark()
+        self._spans.append((_STEP, self._optimizer_start, end))
         self._steps += 1
-        self._ends.append(len(self._spans))
-        if self._steps % self.window:
-            return None
+        notes.stragglers = None if self._steps % self.window else self._window_end(notes.step)
+
+    def _window_end(self, step: int) -> dict[str, Any]:
+        """At a window's end, on every rank alike: the ranks' breakdown (seconds per phase, summed
+        over the window) and scores."""
         mine = torch.zeros(self.world_size, len(PHASES) + 2, dtype=torch.float64)
-        mine[rank] = torch.tensor(self._resolve(), dtype=torch.float64)
+        mine[self.rank] = torch.tensor(self._resolve(), dtype=torch.float64)
         if self.hosts is None:
-            self.hosts = hosts()  # a collective: every rank asks at the same window
-        times = all_reduce_sum(mine)
+            self.hosts = self._hosts()  # a collective: every rank asks at the same window
+        times = self._all_reduce_sum(mine)
         self._last_end = self.clock.mark()  # the all-reduce's wait for the slowest rank is no data wait
         scores, logs = judge_window(times)
-        self._judge(step, rank, scores, logs, times)
+        self._judge(step, self.rank, scores, logs, times)
         return {
             "window": self.window,
             "scores": scores,
@@ -143,20 +152,32 @@ class StragglerWatch:
 
     def _resolve(self) -> list[float]:
         """This rank's row of the window: seconds per phase, steps, and the spread of its per-step work."""
+        cuda, seconds = self.clock.cuda, self.clock.seconds
         totals = [0.0] * len(PHASES)
         work: list[float] = []
-        begin = 0
-        for end in self._ends:
-            own = 0.0
-            for phase, start, stop in self._spans[begin:end]:
-                seconds = self.clock.seconds(start, stop)
-                totals[phase] += seconds
-                if phase != _COMM:
-                    own += seconds
-            work.append(own)
-            begin = end
+        own = 0.0
+        for span in self._spans:
+            if span[0] is _STEP:  # an optimizer step: the end of a step
+                _, start, end = span
+                taken = seconds(start, end) if cuda else end - start
+                totals[_OPTIMIZER] += taken
+                work.append(own + taken)
+                own = 0.0
+                continue
+            data, forward, backward, last, end = span
+            if last is not None:  # the rest of backward waited for the other ranks' gradients
+                totals[_COMM] += seconds(last, end) if cuda else end - last
+                end = last
+            for phase, start, stop in (
+                (_DATA, data, forward),
+                (_FORWARD, forward, backward),
+                (_BACKWARD, backward, end),
+            ):
+                if start is not None:  # no data mark before the first step
+                    taken = seconds(start, stop) if cuda else stop - start
+                    totals[phase] += taken
+                    own += taken
         self._spans.clear()
-        self._ends.clear()
         return [*totals, float(len(work)), spread(work)[1]]
 
     def _judge(self, step: int, rank: int, scores: list[float], logs: list[Log], times: torch.Tensor) -> None:
@@ -238,4 +259,4 @@ def between_windows(logs: Sequence[float]) -> float:
     values = list(logs)
     if len(values) < 2:
         return 0.0
-    return math.fsum((b - a) ** 2 for a, b in itertools.pairwise(values)) / (2 * (len(values) - 1))
+    return math.fsum([(b - a) ** 2 for a, b in itertools.pairwise(values)]) / (2 * (len(values) - 1))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,17 +21,18 @@ from torch import nn
 
 
 class Clock:
-    """Wall-clock marks on a CPU; CUDA events on a GPU, where the host runs ahead of the kernels."""
+    """Wall-clock marks on a CPU; CUDA events on a GPU, where the host runs ahead of the kernels.
+    On a CPU ``mark`` is ``time.perf_counter`` itself: the step's hooks read it several times a step."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
+        self.mark: Callable[[], Any] = self._event if cuda else time.perf_counter
 
-    def mark(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            event.record()
-            return event
-        return time.perf_counter()
+    @staticmethod
+    def _event() -> Any:
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        event.record()
+        return event
 
     def seconds(self, start: Any, end: Any) -> float:
         if self.cuda:
@@ -41,37 +42,60 @@ class Clock:
 
 
 class LastGradient:
-    """When this rank's own work in a backward ends: a ``post_accumulate_grad`` hook on every
-    parameter marks each gradient as it is ready, so the last mark is the end of the rank's
-    compute; whatever backward takes after it (DDP's and Horovod's all-reduce finishing) is the
-    wait for the slowest rank's gradients."""
+    """When this rank's own work in a backward ends: a ``post_accumulate_grad`` hook marks the moment
+    a gradient is ready, so the last mark is the end of the rank's compute; whatever backward takes
+    after it (DDP's and Horovod's all-reduce finishing) is the wait for the slowest rank's gradients.
+
+    The first backward hooks every parameter and notes which one's gradient came last; from then on
+    only that one is hooked (a static graph readies its gradients in the same order every time:
+    one hook call a backward instead of one per parameter). A backward that leaves it without a
+    gradient (a branch not taken) hooks every parameter again for the next one."""
 
     def __init__(self, model: nn.Module, clock: Clock) -> None:
         self.clock = clock
-        self._in_backward = False
+        self.in_backward = False
         self.mark: Any = None
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._last: torch.Tensor | None = None
+        self._handles: list[Any] = []
+        self._hook(self._params)
+
+    def _hook(self, params: Sequence[torch.Tensor]) -> None:
+        self.remove()
         self._handles = [
             p.register_post_accumulate_grad_hook(self._ready)  # type: ignore[no-untyped-call]
-            for p in model.parameters()
-            if p.requires_grad
+            for p in params
         ]
+        self.learning = len(params) > 1
+        """Every parameter is hooked: this backward tells which one's gradient comes last."""
 
-    def _ready(self, _param: torch.Tensor) -> None:
-        if self._in_backward:
+    def _ready(self, param: torch.Tensor) -> None:
+        if self.in_backward:
             self.mark = self.clock.mark()
+            self._last = param
 
     def begin(self) -> None:
-        self._in_backward, self.mark = True, None
+        self.in_backward, self.mark = True, None
 
     def end(self) -> Any:
         """The last gradient's mark, or None when nothing in the backward needed one."""
-        self._in_backward = False
+        self.in_backward = False
+        if self.learning or self.mark is None:
+            self.learnt()
         return self.mark
+
+    def learnt(self) -> None:
+        """After a backward: with every parameter hooked, keep only the last one's hook; when the one
+        hooked got no gradient, hook them all again."""
+        if self.learning and self._last is not None:
+            self._hook([self._last])
+        elif self.mark is None and not self.learning:
+            self._hook(self._params)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles.clear()
+        self._handles = []
 
 
 class ComputeTimer:
@@ -124,7 +148,7 @@ def spread(values: list[float]) -> tuple[float, float]:
     all-reduce, so that every rank can tell each rank's mean and its standard error."""
     total = math.fsum(values)
     mean = total / len(values) if values else 0.0
-    return total, math.fsum((v - mean) ** 2 for v in values)
+    return total, math.fsum([(v - mean) ** 2 for v in values])
 
 
 def log_variance_of_mean(total: float, deviations: float, count: float) -> float:

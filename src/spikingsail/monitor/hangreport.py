@@ -6,6 +6,7 @@ Standard library only: the watch (``hangwatch``, run by path) loads this file by
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -41,8 +42,10 @@ LEFT, INSIDE, WAITING = 0, 1, 2
 """A record's ``inside``: the call was left; the rank is in it; it is in it and the call waits for
 the other ranks (a gradient sync, an all-reduce: it counts in ``collectives``)."""
 
-RECORD = struct.Struct("<qqqqqqqd")
-"""pid, beats, optimizer step, micro-step, phase, inside, collectives entered, wall time."""
+RECORD = struct.Struct("<qqqqqqq")
+"""pid, beats, optimizer step, micro-step, phase, inside, collectives entered. No time: a rank writes a
+record at every phase of its step, and a clock read there would cost more than the write; the node's
+watch notes when it first saw each record (``Progress.time``)."""
 
 STATES = {
     "R": "running",
@@ -68,13 +71,14 @@ class Progress:
     phase: str
     inside: int
     collectives: int
-    time: float
+    time: float = 0.0
+    """When the node's watch first saw this record (wall clock)."""
 
     @classmethod
     def unpack(cls, data: bytes) -> Progress:
-        pid, beats, step, micro, phase, inside, collectives, when = RECORD.unpack(data)
+        pid, beats, step, micro, phase, inside, collectives = RECORD.unpack(data)
         return cls(pid=pid, beats=beats, step=step, micro_step=micro, phase=PHASES[phase],
-                   inside=inside, collectives=collectives, time=when)  # fmt: skip
+                   inside=inside, collectives=collectives)  # fmt: skip
 
     def doing(self) -> str:
         call = {"optimizer": "engine.step()", "collective": "engine.all_reduce"}.get(self.phase, self.phase)
@@ -164,7 +168,11 @@ def look(spec: Node, board_records: dict[str, Any]) -> dict[str, Any]:
 
     def one(rank: str) -> dict[str, Any]:
         record = read_record(Path(spec.records[rank]))
-        pid = record.pid if record else board_records.get(rank, {}).get("pid", 0)
+        posted = board_records.get(rank, {})
+        pid = record.pid if record else posted.get("pid", 0)
+        if record is not None:  # seen now, or when the watch last posted it
+            same = (posted.get("pid"), posted.get("beats")) == (record.pid, record.beats)
+            record = dataclasses.replace(record, time=posted["time"] if same else time.time())
         state = process_state(pid) if pid else "gone"
         threads, why = stacks(pid, spec, rank) if pid and state != "gone" else ([], "no process")
         return {

@@ -118,6 +118,7 @@ class Watch:
         self.stopping = threading.Event()
         self.changed: dict[str, tuple[tuple[int, int], float]] = {}
         self.pids: dict[str, int] = {}  # this node's ranks, from their records
+        self.seen: dict[str, tuple[tuple[int, int], float]] = {}  # per rank: (pid, beats), first seen at
         self.board: board.Board | board.Client
         if spec.board is None:
             self.board = board.Board()
@@ -136,7 +137,10 @@ class Watch:
         for rank, path in self.spec.records.items():
             record = hangreport.read_record(Path(path))
             if record is not None:
-                out[rank] = asdict(record)
+                mark = (record.pid, record.beats)
+                if rank not in self.seen or self.seen[rank][0] != mark:
+                    self.seen[rank] = (mark, time.time())
+                out[rank] = {**asdict(record), "time": self.seen[rank][1]}
                 self.pids[rank] = record.pid
         return out
 

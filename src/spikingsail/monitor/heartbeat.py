@@ -2,8 +2,8 @@
 
 A rank writes a fixed-size record into a small shared-memory file when it enters and leaves each of
 the engine's calls: its optimizer step and micro-step, the call, how many of the engine's collectives
-it has entered, and the time. That is a ``struct.pack_into`` into one page of memory — no system
-call, and no collective that could itself hang. The node's watch (``hangwatch``, a process of its
+it has entered (the watch notes when each record appeared). That is a ``struct.pack_into`` into one
+page of memory — no system call, no clock read, and no collective that could itself hang. The node's watch (``hangwatch``, a process of its
 own started by the node's lowest rank) reads the records and decides, with the other nodes'
 watches, when the job has stopped making progress.
 """
@@ -23,7 +23,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,9 +33,12 @@ import torch.distributed as dist
 from spikingsail.errors import SailError
 from spikingsail.monitor import board
 from spikingsail.monitor.hangreport import (
+    BACKWARD,
     CLOSED,
+    FORWARD,
     INSIDE,
     LEFT,
+    OPTIMIZER,
     READY,
     RECORD,
     WAITING,
@@ -69,7 +71,7 @@ class Heartbeat:
     def _write(self, inside: int) -> None:
         self._beats += 1
         RECORD.pack_into(self._map, 0, self._pid, self._beats, self._step, self._micro, self._phase,
-                         inside, self._collectives, time.time())  # fmt: skip
+                         inside, self._collectives)  # fmt: skip
 
     def enter(self, phase: int, *, collective: bool = False) -> None:
         """Entering an engine call; ``collective``: one that waits for the other ranks."""
@@ -81,6 +83,34 @@ class Heartbeat:
     def leave(self, step: int, micro_step: int) -> None:
         self._step, self._micro = step, micro_step
         self._write(LEFT)
+
+    # The engine's step hooks (``engine/hooks.py``): a training micro-step passes six, so each writes
+    # its record itself (two calls: the hook and the write). ``counters`` (the engine's step counters) says where a rank leaves a call.
+
+    counters: Any = None
+
+    def forward_begin(self) -> None:
+        self._phase, self._beats = FORWARD, self._beats + 1
+        RECORD.pack_into(self._map, 0, self._pid, self._beats, self._step, self._micro, FORWARD, INSIDE,
+                         self._collectives)  # fmt: skip
+
+    def backward_begin(self, _loss: object, boundary: bool) -> None:
+        self._phase, self._beats, self._collectives = BACKWARD, self._beats + 1, self._collectives + boundary
+        RECORD.pack_into(self._map, 0, self._pid, self._beats, self._step, self._micro, BACKWARD,
+                         WAITING if boundary else INSIDE, self._collectives)  # fmt: skip
+
+    def step_begin(self, boundary: bool) -> None:
+        self._phase, self._beats, self._collectives = OPTIMIZER, self._beats + 1, self._collectives + boundary
+        RECORD.pack_into(self._map, 0, self._pid, self._beats, self._step, self._micro, OPTIMIZER,
+                         WAITING if boundary else INSIDE, self._collectives)  # fmt: skip
+
+    def forward_end(self, _boundary: bool = False) -> None:
+        counters = self.counters
+        self._step, self._micro, self._beats = counters.global_steps, counters.micro_steps, self._beats + 1
+        RECORD.pack_into(self._map, 0, self._pid, self._beats, self._step, self._micro, self._phase, LEFT,
+                         self._collectives)  # fmt: skip
+
+    backward_end = step_end = forward_end
 
     def close(self) -> None:
         if self._map.closed:

@@ -1,8 +1,9 @@
 """What the engine reports after optimizer steps: a progress bar, log lines, a JSONL file.
 
-Only rank 0 reports. The engine asks ``wants(step)`` first and builds a record only then, so a
-step that reports nothing costs nothing; a loss is read back from the device (a synchronisation
-on GPUs) only on the steps that print it, or on every step when a metrics file is configured.
+Only rank 0 reports, through the engine's step hooks (``engine/hooks.py``): it keeps the losses of
+the steps it will report and builds a record only for them, so a step that reports nothing costs
+two calls; a loss is read back from the device (a synchronisation on GPUs) only on the steps that
+print it, or on every step when a metrics file is configured.
 """
 
 from __future__ import annotations
@@ -11,13 +12,17 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
 from spikingsail.monitor.trackers import Tracker
+
+if TYPE_CHECKING:
+    from spikingsail.engine.hooks import StepNotes
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +71,38 @@ class StepMonitor:
             self._metrics = path.open("a", buffering=1)
         self.trackers = trackers or []
         self._every_step = self._bar is not None or self._metrics is not None or bool(self.trackers)
+        self._losses: list[torch.Tensor] = []
+        self._recording = self.wants(1)
+        self._accumulation = 1
+        self._lr: Callable[[], float] = lambda: 0.0
+        self._loss_scale: Callable[[], float] = lambda: 1.0
+
+    def attach(self, *, accumulation: int, lr: Callable[[], float], loss_scale: Callable[[], float]) -> None:
+        """What the records read from the engine: the accumulation window (a step's loss is the mean of
+        its micro-batches'), the learning rate and the loss scale."""
+        self._accumulation, self._lr, self._loss_scale = accumulation, lr, loss_scale
+
+    # The engine's step hooks, registered on rank 0 only.
+
+    def backward_begin(self, loss: torch.Tensor, _boundary: bool) -> None:
+        if self._recording:
+            accumulation = self._accumulation
+            self._losses.append(loss.detach() / accumulation if accumulation > 1 else loss.detach())
+
+    def discarded(self) -> None:
+        self._losses = []
+
+    def optimizer_end(self, notes: StepNotes) -> None:
+        step, losses = notes.step, self._losses
+        if self._every_step or step % self.steps_per_print == 0:
+            self.on_step(StepRecord(
+                step=step, loss=torch.stack(losses).float().sum() if losses else None, lr=self._lr(),
+                loss_scale=self._loss_scale(), skipped=notes.skipped, balance=notes.balance,
+                stragglers=notes.stragglers,
+            ))  # fmt: skip
+        if losses:
+            self._losses = []
+        self._recording = self._every_step or (step + 1) % self.steps_per_print == 0
 
     def wants(self, step: int) -> bool:
         return self.enabled and (self._every_step or step % self.steps_per_print == 0)

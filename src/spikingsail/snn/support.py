@@ -105,6 +105,10 @@ class SpikingSupport:
             "an accumulation boundary (optimizer step)" if boundary else "a micro-batch's end (backward)"
         )
 
+    # the engine's step hooks (``engine/hooks.py``), added when the model has spiking neurons
+    forward_begin = before_forward
+    backward_end = after_backward
+
     def on_batch(self) -> None:
         if self.manages_state and not self.multi_step:
             self.reset()

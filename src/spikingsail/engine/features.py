@@ -1,0 +1,98 @@
+"""Where the engine's optional features are made from the config, each with what closes it: the hang
+watch's heartbeat, the monitor and its trackers, the straggler breakdown. The engine adds the ones
+that are on to its step hooks (``engine/hooks.py``) and their closing to its close stack."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from spikingsail.backends.base import Backend
+from spikingsail.config.schema import SailConfig
+from spikingsail.engine.split import rank_hosts
+from spikingsail.engine.state import StepCounters
+from spikingsail.engine.stragglers import StragglerWatch
+from spikingsail.environments import RankInfo
+from spikingsail.monitor import heartbeat
+from spikingsail.monitor.heartbeat import Heartbeat, NoHeartbeat
+from spikingsail.monitor.steps import StepMonitor
+from spikingsail.monitor.trackers import check_installed, flatten, make_trackers
+
+log = logging.getLogger(__name__)
+
+
+def run_directory(config: SailConfig) -> Path:
+    """The run's directory (``sail.log_dir``): with trackers and none set, ``runs/DATE-TIME``; else
+    beside the metrics file, or the working directory (where a hang report goes)."""
+    sail = config.sail
+    if sail.log_dir is not None:
+        return Path(sail.log_dir)
+    if sail.trackers:
+        return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    return Path(sail.metrics_path).parent if sail.metrics_path else Path.cwd()
+
+
+def hang_watch(
+    config: SailConfig, rank_info: RankInfo, counters: StepCounters, log_dir: Path, closing: ExitStack
+) -> Heartbeat | NoHeartbeat:
+    """This rank's progress records and its node's hang watch (``sail.hang_timeout_seconds``);
+    ``NoHeartbeat`` when off (a single process, or a timeout of 0). Collective when on."""
+    sail, world_size = config.sail, rank_info.world_size
+    if not (sail.hang_timeout_seconds and world_size > 1 and dist.is_initialized()):
+        return NoHeartbeat()
+    if sail.hang_timeout_seconds >= 60 * sail.timeout_minutes and rank_info.is_rank_zero:
+        log.warning("sail.hang_timeout_seconds (%g) is not below sail.timeout_minutes (%g min): a hung "
+                    "collective times out before the hang watch can report who holds it up",
+                    sail.hang_timeout_seconds, sail.timeout_minutes)  # fmt: skip
+    beat, watch = heartbeat.start(
+        rank=rank_info.rank, world_size=world_size, timeout=sail.hang_timeout_seconds,
+        report_dir=str(log_dir.resolve()), board_host=os.environ.get("MASTER_ADDR"),
+    )  # fmt: skip
+    closing.callback(heartbeat.stop, watch)
+    closing.callback(beat.close)
+    beat.counters = counters
+    return beat
+
+
+def monitor(config: SailConfig, rank_info: RankInfo, log_dir: Path, closing: ExitStack) -> StepMonitor:
+    """Rank 0's progress bar, metrics file and trackers (``sail.trackers`` in ``log_dir``)."""
+    sail, zero = config.sail, rank_info.is_rank_zero
+    metrics_path = sail.metrics_path
+    if metrics_path is None and "jsonl" in sail.trackers:
+        metrics_path = str(log_dir / "metrics.jsonl")
+    check_installed(sail.trackers)
+    made = make_trackers(sail.trackers, log_dir) if zero and sail.trackers else []
+    steps = StepMonitor(
+        enabled=zero,
+        samples_per_step=config.train_batch_size,
+        steps_per_print=config.steps_per_print,
+        progress_bar=sail.progress_bar,
+        metrics_path=metrics_path,
+        trackers=made,
+    )
+    closing.callback(steps.close)
+    steps.log_hyperparams(flatten(config.raw))
+    return steps
+
+
+def straggler_watch(
+    config: SailConfig, rank_info: RankInfo, model: torch.nn.Module, device: torch.device, backend: Backend,
+    closing: ExitStack,
+) -> StragglerWatch | None:  # fmt: skip
+    """The step-time breakdown of ``sail.straggler_window`` (None when off, or for a single process)."""
+    sail = config.sail
+    if not (sail.straggler_window and rank_info.world_size > 1 and dist.is_initialized()):
+        return None
+    watch = StragglerWatch(
+        model, device, rank=rank_info.rank, world_size=rank_info.world_size, window=sail.straggler_window,
+        factor=sail.straggler_factor, all_reduce_sum=backend.all_reduce_sum,
+        hosts=lambda: rank_hosts(rank_info.world_size),
+    )  # fmt: skip
+    closing.callback(watch.close)
+    return watch

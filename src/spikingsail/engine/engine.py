@@ -524,7 +524,7 @@ class Engine:
         for part in self.state_parts().values():
             part.load_state_dict(state_dict)
 
-    def _training_state(self, *, with_optimizer: bool = True) -> TrainingState:
+    def _training_state(self, with_optimizer: bool = True) -> TrainingState:
         return TrainingState(
             module=self.module,
             optimizer=self.optimizer if with_optimizer else None,

@@ -180,6 +180,14 @@ def rendezvous_store(rank_info: RankInfo, timeout: datetime.timedelta) -> Store:
     return PrefixStore(f"spikingsail/attempt{rank_info.restart_count}/join{next(_JOINS)}", store)
 
 
+def rank_hosts(world_size: int) -> list[str]:
+    """Every rank's host name, in rank order (a collective when a process group is up)."""
+    hosts: list[object] = [socket.gethostname()] * world_size
+    if dist.is_initialized():
+        dist.all_gather_object(hosts, socket.gethostname())
+    return [str(h) for h in hosts]
+
+
 def forget_groups(*holders: object) -> None:
     """Drop every process group (or list of them) the holders keep in their attributes.
 

@@ -10,7 +10,6 @@ Rank 0 prints ``SAIL_ALLREDUCE {json}``.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import time
 
@@ -18,7 +17,12 @@ import torch
 import torch.distributed as dist
 
 from spikingsail.backends import load_config
-from spikingsail.backends.process_group import join_process_group, leave_process_group, select_device
+from spikingsail.backends.process_group import (
+    join_process_group,
+    leave_process_group,
+    rank_hosts,
+    select_device,
+)
 from spikingsail.environments import discover_rank_info
 from spikingsail.errors import SailError
 
@@ -43,8 +47,7 @@ def main() -> int:
         dist.all_reduce(values)
         expected = info.world_size * (info.world_size + 1) / 2
         wrong = int((values != expected).sum())
-        hosts: list[str | None] = [None] * info.world_size
-        dist.all_gather_object(hosts, socket.gethostname())
+        hosts = rank_hosts(info.world_size)
         backend = dist.get_backend()
     finally:
         leave_process_group()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import logging
 import re
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import constants
 
-from spikingsail.backends.process_group import init_default_group, rendezvous_store, select_device
+from spikingsail.backends.process_group import init_default_group, rank_hosts, rendezvous_store, select_device
 from spikingsail.diagnostics.comm_plot import table, write_report
 from spikingsail.environments import RankInfo, discover_rank_info
 from spikingsail.errors import LaunchError, SailError
@@ -359,8 +358,7 @@ def run_job(config: SweepConfig) -> int:
     init_default_group(backend, timeout, rendezvous_store(info, timeout), rank_info=info, device=device)
     try:
         group = Group(rank=info.rank, world_size=info.world_size, device=device, dtype=DTYPES[config.dtype])
-        hosts: list[object] = [None] * info.world_size
-        dist.all_gather_object(hosts, socket.gethostname())
+        hosts = rank_hosts(info.world_size)
         results = sweep(config, group)
     finally:
         dist.destroy_process_group()

@@ -32,8 +32,9 @@ from spikingsail.checkpoint.engine_state import TrainingState, merged_state_dict
 from spikingsail.config.schema import SailConfig
 from spikingsail.data.loader import ShardedLoader
 from spikingsail.engine import features
+from spikingsail.engine.balance import Balancer
 from spikingsail.engine.hooks import StepHooks, StepNotes
-from spikingsail.engine.replicas import ReplicaEnv
+from spikingsail.engine.replicas import ReplicaEnv, ReplicaGroups
 from spikingsail.engine.split import EqualSplit, ReplicaSplit, balanced_split
 from spikingsail.engine.state import Entry, LoaderPositions, OptimizerHyperparameters, StepCounters
 from spikingsail.environments import RankInfo
@@ -245,16 +246,15 @@ class Engine:
         """Take the first quorum of a job of replica groups (``initialize`` does, after a resume and
         before the script makes its loaders): a group behind the others heals here — torchft loads a
         live group's state into it — and takes part in their step."""
-        if isinstance(self.split, ReplicaSplit):
-            self.split.join()
+        self.split.join()
 
     @property
-    def balancer(self) -> Any:
+    def balancer(self) -> Balancer | None:
         """``sail.balance``'s current split and measurement (None when off)."""
         return self.split.balancer
 
     @property
-    def replicas(self) -> Any:
+    def replicas(self) -> ReplicaGroups | None:
         """This replica group's torchft manager and transport (None without ``--ft-replicas``)."""
         return self.split.replicas
 

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from spikingsail.backends.base import Backend
+from spikingsail.backends.process_group import rank_hosts
 from spikingsail.config.schema import SailConfig
-from spikingsail.engine.split import rank_hosts
 from spikingsail.engine.state import StepCounters
 from spikingsail.engine.stragglers import StragglerWatch
 from spikingsail.environments import RankInfo

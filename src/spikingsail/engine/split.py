@@ -10,15 +10,14 @@ epoch's short final step, the mean over the global batch is then what a single p
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from spikingsail.backends.base import Backend
+from spikingsail.backends.process_group import rank_hosts
 from spikingsail.checkpoint.checkpointer import refuse_inside_window
 from spikingsail.config.parse import check_balance_weights
 from spikingsail.config.schema import SailConfig
@@ -70,6 +69,9 @@ class EqualSplit:
         if share is None:  # a loss from elsewhere than the loader with the short step weighs 1
             return loss
         return loss * loss_weight(*share, self.config.world_size, self.counters.accumulation)
+
+    def join(self) -> None:
+        """Where the split has peers outside the job's process group: take part in their first step."""
 
     def close(self) -> None:
         pass
@@ -172,14 +174,6 @@ def balanced_split(
     if weights is not None:
         return BalancedSplit(config, counters, balancer)
     return MeasuredSplit(config, counters, balancer, model, rank_info.rank, backend.all_reduce_sum)
-
-
-def rank_hosts(world_size: int) -> list[str]:
-    """Every rank's host name (a collective when distributed)."""
-    hosts: list[Any] = [socket.gethostname()] * world_size
-    if dist.is_initialized():
-        dist.all_gather_object(hosts, socket.gethostname())
-    return [str(h) for h in hosts]
 
 
 class ReplicaSplit(EqualSplit):

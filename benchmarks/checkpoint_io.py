@@ -116,7 +116,7 @@ def bench_async(args: argparse.Namespace, root: Path) -> None:
     engine.save_checkpoint(root, tag="async", async_save=True)
     stall = time.perf_counter() - start
     during = []
-    handle = engine._pending_save
+    handle = engine.checkpointer.background_save
     while True:  # train until every rank's background write has finished (ranks agree each step)
         writing = torch.tensor([float(handle is not None and not handle.done.done())])
         if not engine.all_reduce(writing).item():

@@ -46,7 +46,7 @@ def interval_save(checkpoints: str) -> list[str]:
             },
         )
         if engine.rank == 1:
-            engine._last_save = time.monotonic() + 3600  # this rank's clock says: not due
+            engine.checkpointer._last_save = time.monotonic() + 3600  # this rank's clock says: not due
         data = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
         for x, y in engine.dataloader(data, shuffle=False):
             time.sleep(0.1)

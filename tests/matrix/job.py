@@ -137,7 +137,7 @@ def _run(
         for x, y in loader:
             share = even
             if engine.replicas is not None:  # the shares follow the groups taking part in the step
-                share = engine._replica_loader.share[0]
+                share = loader.share[0]
             elif loader.share is not None and loader.share[1] < engine.train_batch_size():
                 share = loader.share[0]  # the epoch's short step (its weights are checked at the end)
             assert len(x) == share, f"rank {engine.rank} got {len(x)} samples, its share is {share}"

@@ -133,6 +133,11 @@ class Checkpointer:
         return checkpointer
 
     @property
+    def background_save(self) -> engine_state.SaveHandle | None:
+        """The background save being written, until a step or a wait settles it."""
+        return self._pending[0] if self._pending is not None else None
+
+    @property
     def wants_steps(self) -> bool:
         """Whether ``after_step`` has anything to do at a step boundary."""
         return self.periodic or self.preemption.armed or self.saved_in_background

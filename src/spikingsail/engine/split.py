@@ -43,8 +43,9 @@ class EqualSplit:
     balancer: Balancer | None = None
     replicas: ReplicaGroups | None = None
 
-    def __init__(self, config: SailConfig, counters: StepCounters) -> None:
-        self.config, self.counters = config, counters
+    def __init__(self, config: SailConfig, counters: StepCounters, ranks: int) -> None:
+        """``ranks``: the processes of the job's process group (of one replica group's, with replica groups)."""
+        self.config, self.counters, self.ranks = config, counters, ranks
         self.loader: ShardedLoader | None = None
 
     def shares(self) -> Callable[[], list[int]] | None:
@@ -68,7 +69,7 @@ class EqualSplit:
         share = self._share()
         if share is None:  # a loss from elsewhere than the loader with the short step weighs 1
             return loss
-        return loss * loss_weight(*share, self.config.world_size, self.counters.accumulation)
+        return loss * loss_weight(*share, self.ranks, self.counters.accumulation)
 
     def join(self) -> None:
         """Where the split has peers outside the job's process group: take part in their first step."""
@@ -84,7 +85,7 @@ class BalancedSplit(EqualSplit):
     weighs = True
 
     def __init__(self, config: SailConfig, counters: StepCounters, balancer: Balancer) -> None:
-        super().__init__(config, counters)
+        super().__init__(config, counters, balancer.world_size)
         self.balancer = balancer
 
     def shares(self) -> Callable[[], list[int]] | None:
@@ -145,7 +146,7 @@ def balanced_split(
     """The split ``sail.balance`` asks for (equal when off)."""
     balance = config.sail.balance
     if balance == "off":
-        return EqualSplit(config, counters)
+        return EqualSplit(config, counters, rank_info.world_size)
     weights: list[float] | None = None
     if isinstance(balance, tuple):
         weights = list(balance)
@@ -190,7 +191,7 @@ class ReplicaSplit(EqualSplit):
     ) -> None:  # fmt: skip
         """``engine_state``: the engine's ``state_dict`` and ``load_state_dict`` (what a healing group
         takes besides the model and optimizer)."""
-        super().__init__(config, counters)
+        super().__init__(config, counters, rank_info.world_size)
         self.module, self.optimizer, self.backend = module, optimizer, backend
         self._engine_state = engine_state
         if config.checkpoint.path is None and rank_info.is_rank_zero:
@@ -253,7 +254,7 @@ class ReplicaSplit(EqualSplit):
                 "engine's loader knows",
                 "iterate engine.dataloader(dataset) for training",
             )
-        return loss * loss_weight(*share, self.config.world_size, self.counters.accumulation)
+        return loss * loss_weight(*share, self.ranks, self.counters.accumulation)
 
     def _live_state(self) -> dict[str, Any]:
         """What a healing replica group takes from this one (with ``fsdp``, this rank's shards: its

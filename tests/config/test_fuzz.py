@@ -26,8 +26,8 @@ import torch
 
 from spikingsail.backends import backend_class, load_config
 from spikingsail.backends.horovod import horovod_options
-from spikingsail.engine.engine import seed_everything
 from spikingsail.engine.initialize import _check_offload, _check_zero_stage
+from spikingsail.engine.setup import seed_everything
 from spikingsail.errors import SailError
 from spikingsail.optim.optimizers import build_optimizer
 from spikingsail.optim.schedulers import build_scheduler

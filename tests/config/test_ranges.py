@@ -17,7 +17,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from spikingsail.config import load_config
 from spikingsail.config.schema import MAX_TIMEOUT_MINUTES
-from spikingsail.engine.engine import seed_everything
+from spikingsail.engine.setup import seed_everything
 from spikingsail.errors import ConfigError
 from spikingsail.optim.optimizers import build_optimizer
 from spikingsail.optim.schedulers import build_scheduler

@@ -89,6 +89,10 @@ class StateBackend(Protocol):
 
     def own_state_files(self, directory: Path, rank: int) -> list[Path]: ...
 
+    def consolidated_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state on every rank (shards and partitions gathered), for ``save_model``."""
+        ...
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingState:

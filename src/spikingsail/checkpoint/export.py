@@ -33,15 +33,44 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from spikingsail.checkpoint import dcp_io
+from spikingsail.checkpoint.checkpointer import Beat, Steps, on_rank_zero
+from spikingsail.checkpoint.engine_state import TrainingState
 from spikingsail.checkpoint.faults import filesystem, free_bytes
 from spikingsail.checkpoint.store import MANIFEST, CheckpointStore, replace_durably
-from spikingsail.errors import CheckpointError, first_line
+from spikingsail.errors import CheckpointError, SailError, first_line
+from spikingsail.monitor.hangwatch import CHECKPOINT
 
 log = logging.getLogger(__name__)
 
 SAFETENSORS = ".safetensors"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def save_live_model(
+    training: TrainingState, path: str | Path, dtype: torch.dtype, *, steps: Steps, beat: Beat
+) -> str | None:
+    """``engine.save_model``: gather the model's state through its backend on every rank, and write
+    it on rank 0 (its path there, None elsewhere). The output path is checked first, on rank 0, and
+    a refusal stops every rank before the gather."""
+    if dtype not in DTYPES.values():
+        raise SailError(f"save_model(dtype={dtype}): not a floating dtype a model is saved in",
+                        fix="use torch.float32, torch.bfloat16 or torch.float16")  # fmt: skip
+    rank_info = training.rank_info
+    on_rank_zero(lambda: check_output_path(path), rank_info)
+    beat.enter(CHECKPOINT)
+    state = training.backend.consolidated_state_dict(training.module)
+    beat.leave(steps.global_steps, steps.micro_steps)
+
+    def write() -> str:
+        written = str(
+            write_model(cast(state, dtype), path, model_metadata(training.backend.name, steps.global_steps))
+        )
+        log.info("model saved: %s (%d tensors, %s)", written, len(state), str(dtype).removeprefix("torch."))
+        return written
+
+    written = on_rank_zero(write, rank_info)
+    return written if rank_info.is_rank_zero else None
 
 
 def check_output_path(path: str | Path) -> Path:

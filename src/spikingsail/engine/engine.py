@@ -14,20 +14,17 @@ import functools
 import gc
 import logging
 import os
-import random
 import sys
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from spikingsail.backends.base import Backend
-from spikingsail.checkpoint.checkpointer import Checkpointer, on_rank_zero
+from spikingsail.checkpoint.checkpointer import Checkpointer
 from spikingsail.checkpoint.engine_state import TrainingState, merged_state_dict
 from spikingsail.config.schema import SailConfig
 from spikingsail.data.loader import ShardedLoader
@@ -35,11 +32,17 @@ from spikingsail.engine import features
 from spikingsail.engine.balance import Balancer
 from spikingsail.engine.hooks import StepHooks, StepNotes
 from spikingsail.engine.replicas import ReplicaEnv, ReplicaGroups
+from spikingsail.engine.setup import (
+    check_optimizer_source,
+    keep_neuron_state_per_rank,
+    seed_everything,
+    use_deterministic_algorithms,
+)
 from spikingsail.engine.split import EqualSplit, ReplicaSplit, balanced_split
 from spikingsail.engine.state import Entry, LoaderPositions, OptimizerHyperparameters, StepCounters
 from spikingsail.environments import RankInfo
-from spikingsail.errors import CheckpointError, ConfigError, SailError
-from spikingsail.monitor.hangwatch import CHECKPOINT, COLLECTIVE
+from spikingsail.errors import CheckpointError
+from spikingsail.monitor.hangwatch import COLLECTIVE
 from spikingsail.monitor.heartbeat import NoHeartbeat
 from spikingsail.precision import Precision
 from spikingsail.snn.chunking import time_chunked
@@ -74,7 +77,7 @@ class Engine:
         self.config = config
         self.rank_info = rank_info
         self.backend = backend
-        _check_optimizer_source(config, optimizer, lr_scheduler)
+        check_optimizer_source(config, optimizer, lr_scheduler)
         if config.sail.seed is not None:
             seed_everything(config.sail.seed)
         if config.sail.deterministic:
@@ -111,7 +114,7 @@ class Engine:
         if config.snn.time_chunk != 0:  # keeps the Parameter objects and the state_dict keys
             adapter = self.snn.adapter.name if self.snn.adapter is not None else None
             self.module = time_chunked(self.module, config.snn, adapter, self.snn.multi_step, config.source)
-        _keep_neuron_state_per_rank(self.module, self.snn)
+        keep_neuron_state_per_rank(self.module, self.snn)
         self.precision: Precision = backend.select_precision()
         self.wrapped_module, self.optimizer, self.lr_scheduler = backend.setup_module_and_optimizer(
             self.module, optimizer, lr_scheduler
@@ -473,27 +476,10 @@ class Engine:
         """
         from spikingsail.checkpoint import export
 
-        if dtype not in export.DTYPES.values():
-            raise SailError(f"save_model(dtype={dtype}): not a floating dtype a model is saved in",
-                            fix="use torch.float32, torch.bfloat16 or torch.float16")  # fmt: skip
-        on_rank_zero(
-            lambda: export.check_output_path(path), self.rank_info
-        )  # before the gather: every rank stops
         self.wait_for_checkpoint()
-        self.heartbeat.enter(CHECKPOINT)
-        state = self.backend.consolidated_state_dict(self.module)
-        self.heartbeat.leave(self.global_steps, self.micro_steps)
-
-        def write() -> str:
-            metadata = export.model_metadata(self.backend.name, self.global_steps)
-            written = str(export.write_model(export.cast(state, dtype), path, metadata))
-            log.info(
-                "model saved: %s (%d tensors, %s)", written, len(state), str(dtype).removeprefix("torch.")
-            )
-            return written
-
-        written = on_rank_zero(write, self.rank_info)
-        return written if self.rank_info.is_rank_zero else None
+        return export.save_live_model(
+            self._training_state(False), path, dtype, steps=self.counters, beat=self.heartbeat
+        )
 
     def restore_loaders(self, states: list[dict[str, int]]) -> None:
         """Data positions from a checkpoint, for loaders made so far and those made later (by order)."""
@@ -580,66 +566,3 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_optimizer_source(
-    config: SailConfig, optimizer: torch.optim.Optimizer | None, lr_scheduler: LRScheduler | None = None
-) -> None:
-    if optimizer is None and config.optimizer is None:
-        raise ConfigError(
-            f"{config.source}: no optimizer",
-            "the engine steps an optimizer, and neither the call nor the config provides one",
-            'pass optimizer= to SpikingSail/initialize, or add "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}',
-        )
-    if optimizer is not None and config.optimizer is not None:
-        log.warning(
-            "%s: the optimizer passed to the engine is used; the config's optimizer section (%s) is ignored",
-            config.source,
-            config.optimizer.type,
-        )
-    if lr_scheduler is not None and config.scheduler is not None:
-        log.warning(
-            "%s: the lr_scheduler passed to the engine (%s) is used; the config's scheduler section (%s) is ignored",
-            config.source,
-            type(lr_scheduler).__name__,
-            config.scheduler.type,
-        )
-
-
-def use_deterministic_algorithms() -> None:
-    """Only deterministic kernels from here on. cuBLAS reads CUBLAS_WORKSPACE_CONFIG when CUDA
-    starts, so it is set here, before the engine touches the GPU; a script that used CUDA earlier
-    must export it itself (torch then raises at the first non-deterministic cuBLAS call)."""
-    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
-        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            log.warning("sail.deterministic: CUDA started before the engine, without CUBLAS_WORKSPACE_CONFIG; "
-                        "export CUBLAS_WORKSPACE_CONFIG=:4096:8 before starting the script")  # fmt: skip
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _keep_neuron_state_per_rank(module: torch.nn.Module, snn: SpikingSupport) -> None:
-    """Neuron state kept in buffers (snntorch's ``mem``) is each rank's own: DDP, which broadcasts
-    rank 0's buffers at every forward, must leave it alone (and could not broadcast it anyway when
-    the ranks' batches differ in size)."""
-    if snn.adapter is None:
-        return
-    neurons = {id(m) for m in snn.modules}
-    names = [
-        f"{prefix}.{buffer}" if prefix else buffer
-        for prefix, m in module.named_modules()
-        if id(m) in neurons
-        for buffer in snn.adapter.state_buffers(m)
-    ]
-    if names:
-        ignored = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
-        ignore = DistributedDataParallel._set_params_and_buffers_to_ignore_for_model
-        ignore(module, ignored + names)  # type: ignore[no-untyped-call]  # torch's own, for exactly this

@@ -218,6 +218,7 @@ def test_a_lighthouse_port_taken_after_it_was_chosen_is_replaced_before_the_grou
     chooses another port, and starts the groups only once the lighthouse answers."""
     from spikingsail.cli import launch as cli_launch
     from spikingsail.launchers import replicas
+    from spikingsail.launchers import run as launch_run
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
@@ -225,7 +226,7 @@ def test_a_lighthouse_port_taken_after_it_was_chosen_is_replaced_before_the_grou
     port = taken.getsockname()[1]
     ports, free = iter([port]), replicas.free_port
     monkeypatch.setattr(replicas, "free_port", lambda: next(ports, None) or free())
-    monkeypatch.setattr(cli_launch, "free_port", replicas.free_port)
+    monkeypatch.setattr(launch_run, "free_port", replicas.free_port)
     script = tmp_path / "reach.py"
     script.write_text(
         "import os, urllib.request\n"

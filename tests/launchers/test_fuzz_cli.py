@@ -31,11 +31,11 @@ from torch.distributed.run import get_args_parser
 
 from spikingsail.backends import load_config
 from spikingsail.cli import doctor
-from spikingsail.cli import launch as cli_launch
 from spikingsail.cli.main import main
 from spikingsail.diagnostics import comm_bench
 from spikingsail.errors import LaunchError, SailError
 from spikingsail.launchers import plan
+from spikingsail.launchers import run as launch_run
 from spikingsail.launchers.command import LaunchCommand
 from spikingsail.launchers.hostfile import parse_hostfile
 from spikingsail.launchers.request import LaunchRequest, parse_request
@@ -215,7 +215,7 @@ def later_stages_accept(request: LaunchRequest, commands: list[LaunchCommand]) -
 
 def planned(request: LaunchRequest) -> list[LaunchCommand]:
     if request.ft_replicas:
-        return cli_launch._plan_replica_groups(request)[1]
+        return launch_run._plan_replica_groups(request)[1]
     return plan(request)
 
 

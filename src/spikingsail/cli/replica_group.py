@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import sys
 
-from spikingsail.cli.launch import run_request
 from spikingsail.errors import SailError
 from spikingsail.launchers.replicas import ENV_GROUP_REQUEST, decode_request
+from spikingsail.launchers.run import run_request
 from spikingsail.monitor.logs import configure_logging
 
 

@@ -1,7 +1,7 @@
 """What every launcher is: its facts, its own checks of a request, and the commands it runs.
 
 A launcher is one small class in a file of its own, registered by name in ``launchers/__init__.py``.
-The command line's parser (``request``), ``sail launch`` (``cli/launch.py``) and the failure report
+The command line's parser (``request``), ``sail launch`` (``run``) and the failure report
 (``failure``) ask the launcher; none of them knows a launcher by its name.
 """
 
@@ -35,6 +35,11 @@ class Launcher(ABC):
     hosts_replica_groups: ClassVar[bool] = False
     """``--ft-replicas`` with ``-H``: sail launch starts each replica group's torchrun agents on the
     group's nodes through it."""
+    agents_here: ClassVar[bool] = False
+    """Without ``-H``, torchrun's agent runs on this machine, started by sail launch itself: the
+    process count is its flags' (``gpu``: this machine's GPUs), and replica groups run here."""
+    world_from_scheduler: ClassVar[bool] = False
+    """The job's size is the scheduler's allocation's, not the command line's (srun)."""
     supervised: ClassVar[bool] = True
     """Its commands run under ``supervisor.supervise``, after every host was reached over ssh.
     False: its one command runs on this machine, in this terminal (``local.run_local``)."""

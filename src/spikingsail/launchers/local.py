@@ -4,7 +4,7 @@ The agent and its workers write to this terminal as they would under torchrun, b
 error passes through ``sail launch`` (a pseudo-terminal when stderr is a terminal, so that progress
 bars and colours stay on): its last lines tell which rank failed and with which of SpikingSail's
 errors. The signals torchrun handles and SIGUSR1 are passed on to the agent, which passes them to
-the workers.
+the workers (``supervision.watch``, the loop every launch path runs under).
 """
 
 from __future__ import annotations
@@ -18,30 +18,29 @@ import subprocess
 import sys
 import termios
 import threading
-import time
 import traceback
 from collections.abc import Callable, Mapping
-from types import FrameType
 from typing import NoReturn
 
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.base import Launcher
-from spikingsail.launchers.command import FORWARDED, LaunchCommand, python_module
+from spikingsail.launchers.command import LaunchCommand, python_module
 from spikingsail.launchers.failure import Failure
 from spikingsail.launchers.hostfile import is_this_machine
 from spikingsail.launchers.lifeline import die_with_this_process
 from spikingsail.launchers.platform import platform_flags
 from spikingsail.launchers.spec import LaunchRequest
+from spikingsail.launchers.supervision import TIMED_OUT, Signals, watch
 from spikingsail.launchers.torchrun_args import TorchrunArgs
 from spikingsail.monitor.logs import debugging
 
 TAIL_LINES = 400
-_POLL_SECONDS = 0.1
 
 
 class LocalLauncher(Launcher):
     name = "local"
     needs_hosts = False
+    agents_here = True
     supervised = False
 
     def torchrun_flags(self, args: TorchrunArgs, env: Mapping[str, str]) -> list[str]:
@@ -87,57 +86,68 @@ def _this_node(request: LaunchRequest, flags: list[str]) -> tuple[list[str], dic
 
 
 def run_local(
-    command: LaunchCommand, base_env: Mapping[str, str] | None = None
+    command: LaunchCommand, base_env: Mapping[str, str] | None = None, timeout: float | None = None
 ) -> tuple[int, Failure | None]:
     """Run a command on this machine, passing signals on to it; returns its exit status (128 + the
-    signal's number when it was stopped on one) and, when it failed by itself, the failure read
-    from its standard error."""
+    signal's number when it was stopped on one; 124 after ``timeout`` seconds) and, when it failed
+    by itself, the failure read from its standard error."""
     env = {**(os.environ if base_env is None else base_env), **command.env}
-    reader, writer = _stderr_channel()
-    child: subprocess.Popen[bytes] | _ForkedAgent
-    try:
-        # the agent ends (and stops its workers) when sail launch dies, even of SIGKILL
-        if _ForkedAgent.can_run(command.argv):
-            child = _ForkedAgent(command.argv[3:], env, (writer, reader), die_with_this_process())
-        else:
-            child = subprocess.Popen(
-                command.argv,
-                env=env,
-                stderr=writer,
-                preexec_fn=die_with_this_process(),  # noqa: PLW1509
-            )
-    finally:
-        os.close(writer)
-    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-    relay = threading.Thread(target=_relay, args=(reader, tail), daemon=True)
-    relay.start()
-    received: list[int] = []
+    with Signals() as signals:
+        return watch(_LocalJob(command, env), signals, timeout)
 
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        received.append(signum)
+
+class _LocalJob:
+    """One command on this machine, its standard error relayed (``supervision.Job``): every signal
+    is passed on to it, and it ends when it will."""
+
+    drain_seconds: float | None = None
+
+    def __init__(self, command: LaunchCommand, env: Mapping[str, str]) -> None:
+        self._host = command.host
+        self._timed_out = False
+        reader, writer = _stderr_channel()
+        self._child: subprocess.Popen[bytes] | _ForkedAgent
+        try:
+            # the agent ends (and stops its workers) when sail launch dies, even of SIGKILL
+            if _ForkedAgent.can_run(command.argv):
+                self._child = _ForkedAgent(command.argv[3:], env, (writer, reader), die_with_this_process())
+            else:
+                self._child = subprocess.Popen(
+                    command.argv,
+                    env=env,
+                    stderr=writer,
+                    preexec_fn=die_with_this_process(),  # noqa: PLW1509
+                )
+        finally:
+            os.close(writer)
+        self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._relay = threading.Thread(target=_relay, args=(reader, self._tail), daemon=True)
+        self._relay.start()
+
+    def forward(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError):
-            child.send_signal(signum)
+            self._child.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in FORWARDED}
-    try:
-        # Polled, not a blocking wait: the kernel may hand a signal to the relay thread, and Python
-        # runs its handler only when this (the main) thread next runs Python code. A main thread
-        # blocked in waitpid(2) would forward a closed terminal's SIGHUP only once the job ended.
-        while (code := child.poll()) is None:
-            time.sleep(_POLL_SECONDS)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        if child.poll() is None:
-            child.kill()
-            code = child.wait()
+    def ended(self, draining: bool) -> bool:
+        return self._child.poll() is not None
+
+    def time_out(self) -> None:
+        self._timed_out = True
+
+    def stop(self) -> None:
+        if self._child.poll() is None:
+            self._child.kill()
+            self._child.wait()
         # workers that outlived the agent may hold stderr open: do not wait for them
-        relay.join(timeout=2)
-    if received:  # stopped on a signal: as a shell reports it, whatever the agent's own status
-        return 128 + received[0], None
-    if code == 0:
-        return code, None
-    return code, Failure(host=command.host, exit_code=code, tail=list(tail))
+        self._relay.join(timeout=2)
+
+    def status(self) -> tuple[int, Failure | None]:
+        code = self._child.wait()
+        if self._timed_out:
+            return TIMED_OUT, Failure(host=self._host, exit_code=TIMED_OUT, tail=[*self._tail, "(timed out)"])
+        if code == 0:
+            return code, None
+        return code, Failure(host=self._host, exit_code=code, tail=list(self._tail))
 
 
 class _ForkedAgent:

@@ -24,7 +24,6 @@ import logging
 import os
 import pickle
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -32,7 +31,6 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 
 from spikingsail.environments.replica_groups import (
     ENV_GROUP,
@@ -43,14 +41,15 @@ from spikingsail.environments.replica_groups import (
     address_on_route_to,
 )
 from spikingsail.errors import LaunchError
-from spikingsail.launchers.command import FORWARDED, LaunchCommand, python_module
+from spikingsail.launchers.command import LaunchCommand, python_module
+from spikingsail.launchers.failure import Failure
 from spikingsail.launchers.lifeline import die_with_this_process
 from spikingsail.launchers.spec import LaunchRequest
+from spikingsail.launchers.supervision import TIMED_OUT, Signals, watch
 from spikingsail.launchers.torchrun_args import count
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.2
 LIGHTHOUSE_START_SECONDS = 30.0
 LIGHTHOUSE_POLL_SECONDS = 0.05
 ENV_GROUP_REQUEST = "SPIKINGSAIL_GROUP_REQUEST"
@@ -201,7 +200,7 @@ def _check(request: LaunchRequest, replicas: ReplicaPlan) -> None:
             f"the group's nodes over {' or '.join(hosting)}",
             f"use --launcher {' or --launcher '.join(hosting)} (ssh is the default with -H)",
         )
-    if not request.nodes and request.launcher != "local":
+    if not request.nodes and not LAUNCHERS[request.launcher].agents_here:
         raise LaunchError(
             f"--ft-replicas with --launcher {request.launcher} and no -H",
             "replica groups run under torchrun agents that sail launch starts itself: on this "
@@ -316,46 +315,66 @@ def free_port() -> int:
 
 
 def run_replica_groups(
-    commands: list[LaunchCommand], lighthouse: subprocess.Popen[bytes], restarts: int = 0
+    commands: list[LaunchCommand],
+    lighthouse: subprocess.Popen[bytes],
+    restarts: int = 0,
+    timeout: float | None = None,
 ) -> int:
     """Start the groups (``lighthouse``, already serving, is ``start_lighthouse``'s); start the
     lighthouse again whenever it dies while a group runs, and a group that failed (its agent or a
     node of it lost) up to ``restarts`` times while another group runs (it heals from that group);
     pass signals on to the groups. Returns the first failing group's status (0: all ended well)."""
-    lighthouse_command, *groups = commands
-    agents = [_start(command) for command in groups]
-    started = [1] * len(agents)
-    received: list[int] = []
+    with Signals() as signals:
+        return watch(_Groups(commands, lighthouse, restarts), signals, timeout)[0]
 
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        received.append(signum)
-        for agent in agents:
+
+class _Groups:
+    """The replica groups and their lighthouse (``supervision.Job``): every signal is passed on to
+    the groups, whose agents pass it to their workers; nothing is restarted after one."""
+
+    drain_seconds: float | None = None
+
+    def __init__(
+        self, commands: list[LaunchCommand], lighthouse: subprocess.Popen[bytes], restarts: int
+    ) -> None:
+        self._lighthouse_command, *self._groups = commands
+        self._lighthouse = lighthouse
+        self._restarts = restarts
+        self._agents = [_start(command) for command in self._groups]
+        self._started = [1] * len(self._agents)
+        self._timed_out = False
+
+    def forward(self, signum: int) -> None:
+        for agent in self._agents:
             with contextlib.suppress(ProcessLookupError):
                 agent.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in FORWARDED}
-    try:
-        while any(agent.poll() is None for agent in agents):
-            if lighthouse.poll() is not None and not received:
+    def ended(self, draining: bool) -> bool:
+        if draining:
+            return all(agent.poll() is not None for agent in self._agents)
+        if self._lighthouse.poll() is not None:
+            log.warning(
+                "torchft's lighthouse ended (status %s): starting it again", self._lighthouse.returncode
+            )
+            self._lighthouse = _start(self._lighthouse_command)
+        agents = self._agents
+        for group, agent in enumerate(agents):
+            others = any(a.poll() is None for g, a in enumerate(agents) if g != group)
+            if agent.poll() and others and self._started[group] <= self._restarts:
                 log.warning(
-                    "torchft's lighthouse ended (status %s): starting it again", lighthouse.returncode
-                )
-                lighthouse = _start(lighthouse_command)
-            for group, agent in enumerate(agents):
-                others = any(a.poll() is None for g, a in enumerate(agents) if g != group)
-                if agent.returncode and not received and others and started[group] <= restarts:
-                    log.warning(
-                        "replica group %d ended with status %s while the others train: starting it "
-                        "again (%d of --max-restarts %d); it heals from a live group",
-                        group, agent.returncode, started[group], restarts,
-                    )  # fmt: skip
-                    agents[group] = _start(groups[group])
-                    started[group] += 1
-            time.sleep(POLL_SECONDS)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        for agent in agents:  # only on an error here: the loop above waits for every group
+                    "replica group %d ended with status %s while the others train: starting it "
+                    "again (%d of --max-restarts %d); it heals from a live group",
+                    group, agent.returncode, self._started[group], self._restarts,
+                )  # fmt: skip
+                agents[group] = _start(self._groups[group])
+                self._started[group] += 1
+        return all(agent.poll() is not None for agent in agents)
+
+    def time_out(self) -> None:
+        self._timed_out = True
+
+    def stop(self) -> None:
+        for agent in self._agents:  # only on an error: the loop waits for every group
             if agent.poll() is None:
                 agent.terminate()  # a group's own sail launch stops its nodes' processes
                 try:
@@ -363,15 +382,17 @@ def run_replica_groups(
                 except subprocess.TimeoutExpired:
                     agent.kill()
                     agent.wait()
-        lighthouse.terminate()
+        self._lighthouse.terminate()
         try:
-            lighthouse.wait(timeout=5)
+            self._lighthouse.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            lighthouse.kill()
-            lighthouse.wait()
-    if received:
-        return 128 + received[0]
-    return next((code for code in (agent.returncode for agent in agents) if code), 0)
+            self._lighthouse.kill()
+            self._lighthouse.wait()
+
+    def status(self) -> tuple[int, Failure | None]:
+        if self._timed_out:
+            return TIMED_OUT, None
+        return next((code for code in (agent.returncode for agent in self._agents) if code), 0), None
 
 
 def _start(command: LaunchCommand) -> subprocess.Popen[bytes]:

@@ -238,7 +238,7 @@ def _check_layout(
 ) -> None:
     """What torchrun would refuse only in its agents, known here: 'gpu' processes on this machine
     without a GPU; and a rendezvous on port 0 (any free port), which works for one node only."""
-    if launcher == "local" and not nodes and nproc == "gpu" and not torch.cuda.is_available():
+    if LAUNCHERS[launcher].agents_here and not nodes and nproc == "gpu" and not torch.cuda.is_available():
         raise LaunchError(
             "--nproc-per-node gpu on a machine where torch sees no CUDA GPU",
             "torchrun starts one process per GPU it sees here, and refuses 'gpu' without one",
@@ -280,14 +280,14 @@ def _world_size(
     launcher: str, nodes: list[Node] | None, flags: list[str], script: str, groups: int
 ) -> int | None:
     """The processes the engine counts, where the command line settles it (see ``LaunchRequest``)."""
-    if launcher == "slurm":
+    if LAUNCHERS[launcher].world_from_scheduler:
         return None  # srun: the allocation's size
     if nodes:
         sizes = [n.nproc for n in nodes]
         if groups and len(set(sizes)) > 1:
             return None  # each group counts its own nodes' processes
         return sum(sizes)
-    if launcher != "local":
+    if not LAUNCHERS[launcher].agents_here:
         return None
     # the flags torchrun gets here, read by its own parser: a platform's node count included
     final = get_args_parser().parse_args([*flags, script])

@@ -60,6 +60,7 @@ def _relay(allocation: Allocation) -> list[str]:
 class SlurmLauncher(Launcher):
     name = "slurm"
     needs_hosts = False  # the allocation's nodes
+    world_from_scheduler = True
     install_hint = "apt-get install slurm-client"
     dist_init_methods = DIST_INIT_METHODS
 

@@ -9,7 +9,8 @@ agents of ssh and pdsh commands through each host's tether, which is connected a
 (``LaunchCommand.passes_signals``), or over a new connection where a host has none
 (``LaunchCommand.relay``); or to the command itself where it passes them on (srun, mpirun). The
 job then has ``DRAIN_SECONDS`` to end (workers save a checkpoint on SIGTERM and SIGUSR1) before
-what is left is stopped; a second signal stops it at once. Nothing the job started outlives the supervisor.
+what is left is stopped; a second signal stops it at once (``supervision.watch``, the loop every
+launch path runs under). Nothing the job started outlives the supervisor.
 """
 
 from __future__ import annotations
@@ -25,14 +26,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import FrameType
 
-from spikingsail.launchers.command import FORWARDED, LaunchCommand, Upload
+from spikingsail.launchers.command import LaunchCommand, Upload
 from spikingsail.launchers.failure import Failure
 from spikingsail.launchers.lifeline import AGENT_GRACE_SECONDS, TETHER_READY, Watchdog, descendants
+from spikingsail.launchers.supervision import TIMED_OUT, Signals, watch
 
 TAIL_LINES = 400
-TIMED_OUT = 124
 _GRACE_SECONDS = 15.0
 # A cleanup waits out the agents' own grace period, plus time to connect.
 _CLEANUP_SECONDS = AGENT_GRACE_SECONDS + 45.0
@@ -74,56 +74,68 @@ def supervise(
     command is stopped and the job fails with exit status 124, as timeout(1) does. A job stopped by
     a signal returns 128 + its number, as a shell reports it.
     """
-    received: list[int] = []
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        received.append(signum)
-
-    previous = {s: signal.signal(s, on_signal) for s in FORWARDED}
-    try:
+    with Signals() as signals:
         failed_upload = _upload(commands)
-        if failed_upload is not None or received:
+        if failed_upload is not None or signals.received:
             _clean_up(commands, output)  # removes what did arrive; nothing was started
             if failed_upload is not None:
                 return failed_upload.exit_code, failed_upload
-            return 128 + received[0], None
-        return _run(commands, received, output, timeout)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            return 128 + signals.received[0], None
+        return watch(_Commands(commands, output), signals, timeout)
 
 
-def _run(
-    commands: list[LaunchCommand], received: list[int], output: Callable[[str], None], timeout: float | None
-) -> tuple[int, Failure | None]:
-    watchdog = Watchdog()  # ends the commands' trees should this process die of SIGKILL
-    running = []
-    for command in commands:
-        running.append(_start(command))
-        watchdog.watch(running[-1].process.pid)
-        if command.cleanup:
-            watchdog.clean_up_with(command.cleanup, _environment(command))
-    relays = [threading.Thread(target=_relay, args=(r, output), daemon=True) for r in running]
-    for relay in relays:
-        relay.start()
-    heartbeat = _Heartbeat([r for r in running if r.command.heartbeat])
-    try:
-        failure = _wait(running, received, None if timeout is None else time.monotonic() + timeout, heartbeat)
-    finally:
+class _Commands:
+    """The commands of one job, side by side (``supervision.Job``): the first to fail stops them all."""
+
+    drain_seconds: float | None = DRAIN_SECONDS
+
+    def __init__(self, commands: list[LaunchCommand], output: Callable[[str], None]) -> None:
+        self._output = output
+        self._failure: Failure | None = None
+        self._watchdog = Watchdog()  # ends the commands' trees should this process die of SIGKILL
+        self._running: list[Running] = []
+        for command in commands:
+            self._running.append(_start(command))
+            self._watchdog.watch(self._running[-1].process.pid)
+            if command.cleanup:
+                self._watchdog.clean_up_with(command.cleanup, _environment(command))
+        self._relays = [threading.Thread(target=_relay, args=(r, output), daemon=True) for r in self._running]
+        for relay in self._relays:
+            relay.start()
+        self._heartbeat = _Heartbeat([r for r in self._running if r.command.heartbeat])
+
+    def forward(self, signum: int) -> None:
+        _forward(self._running, signum, self._heartbeat)
+
+    def ended(self, draining: bool) -> bool:
+        if all(r.process.poll() is not None for r in self._running if not r.command.heartbeat):
+            self._heartbeat.release()
+        states = [(r, r.process.poll()) for r in self._running]
+        if all(code is not None for _, code in states) and (draining or all(c == 0 for _, c in states)):
+            return True
+        if not draining:
+            self._failure = _first_failure(states)
+        return self._failure is not None
+
+    def time_out(self) -> None:
+        late = next(r for r in self._running if r.process.poll() is None)
+        self._failure = Failure(host=late.command.host, exit_code=TIMED_OUT, tail=[*late.tail, "(timed out)"])
+
+    def stop(self) -> None:
         # sail is here to end the job itself (and its cleanups name what they kill): the tethers,
         # for a lost or killed sail, stand down
-        heartbeat.release()
-        _let_tethers_end(running)
-        stopped = _stop_all(running)
-        for relay in relays:
+        self._heartbeat.release()
+        _let_tethers_end(self._running)
+        stopped = _stop_all(self._running)
+        for relay in self._relays:
             relay.join(timeout=5)
-        _clean_up([r.command for r in stopped], output)
-        watchdog.done()
-    if received:
-        return 128 + received[0], None
-    if failure is not None:
-        return failure.exit_code or 1, failure
-    return 0, None
+        _clean_up([r.command for r in stopped], self._output)
+        self._watchdog.done()
+
+    def status(self) -> tuple[int, Failure | None]:
+        if self._failure is not None:
+            return self._failure.exit_code or 1, self._failure
+        return 0, None
 
 
 def _upload(commands: list[LaunchCommand]) -> Failure | None:
@@ -239,34 +251,6 @@ class _Heartbeat:
                     run.process.stdin.flush()
                     if close:
                         run.process.stdin.close()
-
-
-def _wait(
-    running: list[Running], received: list[int], deadline: float | None, heartbeat: _Heartbeat
-) -> Failure | None:
-    """Until every command is done, one fails, the deadline passes, or a signal's drain ends."""
-    forwarded = 0
-    drain_until: float | None = None
-    while True:
-        if len(received) > forwarded:
-            if forwarded:  # a second signal: stop now
-                return None
-            _forward(running, received[0], heartbeat)
-            forwarded, drain_until = 1, time.monotonic() + DRAIN_SECONDS
-        if all(r.process.poll() is not None for r in running if not r.command.heartbeat):
-            heartbeat.release()
-        states = [(r, r.process.poll()) for r in running]
-        if all(code is not None for _, code in states) and (forwarded or all(c == 0 for _, c in states)):
-            return None
-        if drain_until is not None:
-            if time.monotonic() > drain_until:
-                return None  # the job did not end on the signal: stopped below
-        elif (failure := _first_failure(states)) is not None:
-            return failure
-        if deadline is not None and time.monotonic() > deadline:
-            late = next(run for run, code in states if code is None)
-            return Failure(host=late.command.host, exit_code=TIMED_OUT, tail=[*late.tail, "(timed out)"])
-        time.sleep(0.1)
 
 
 def _first_failure(states: list[tuple[Running, int | None]]) -> Failure | None:

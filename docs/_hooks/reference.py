@@ -301,10 +301,19 @@ def public_names() -> dict[str, str]:
 
 
 def api_markdown() -> str:
+    """One block per public name; a class also shows what it takes from spikingsail's own bases
+    (the engine's DeepSpeed-named calls)."""
+    import spikingsail
+
     blocks = []
     for name, path in public_names().items():
+        value = getattr(spikingsail, name)
+        inherits = isinstance(value, type) and any(
+            base.__module__.startswith("spikingsail.") for base in value.__mro__[1:]
+        )
         blocks.append(
             f"## `spikingsail.{name}`\n\n::: {path}\n    options:\n      show_root_heading: false\n"
+            + ("      inherited_members: true\n" if inherits else "")
         )
     return "\n".join(blocks)
 

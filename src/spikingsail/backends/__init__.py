@@ -48,8 +48,15 @@ def config_sections() -> dict[str, type[Any]]:
 
 
 def load_config(source: str | Path | dict[str, Any] | None, world_size: int) -> SailConfig:
-    """``spikingsail.config.load_config`` with the backends' sections: how a user's config is read."""
-    return _load_config(source, world_size, config_sections())
+    """``spikingsail.config.load_config`` with the backends' sections, the batch sizes counting the
+    chosen backend's data-parallel replicas of ``world_size`` processes: how a user's config is read."""
+
+    def data_parallel_size(backend: str, sections: dict[str, Any]) -> int:
+        if backend.lower() not in _REGISTRY:
+            return world_size  # refused where the backend is chosen, naming the config's file
+        return backend_class(backend).data_parallel_size(world_size, sections)
+
+    return _load_config(source, world_size, config_sections(), data_parallel_size)
 
 
 def _resolve(target: str) -> Any:

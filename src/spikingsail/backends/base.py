@@ -16,6 +16,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -28,6 +29,17 @@ from spikingsail.optim.optimizers import build_optimizer
 from spikingsail.optim.rebind import rebind_scheduler
 from spikingsail.optim.schedulers import build_scheduler
 from spikingsail.precision import Precision, select_precision
+
+
+@dataclass(frozen=True, slots=True)
+class DataParallel:
+    """A process's place among the model's data-parallel replicas: what the loader shards by, what
+    the batch sizes count, what the batch split and replica groups divide among."""
+
+    rank: int
+    """This process's replica: processes of one replica (a tensor-parallel group) have the same."""
+    size: int
+    """How many replicas split each global batch."""
 
 
 class Backend(ABC):
@@ -53,6 +65,18 @@ class Backend(ABC):
     def replica_refusal(cls, config: SailConfig) -> tuple[str, str, str] | None:
         """What of ``config`` replica groups of this backend cannot keep exact (what, why, fix), if anything."""
         return None
+
+    @classmethod
+    def data_parallel_size(cls, world_size: int, sections: dict[str, Any]) -> int:
+        """How many data-parallel replicas ``world_size`` processes make (``sections``: the
+        backends' config sections that were given). Every process is a replica of its own, unless
+        a backend splits the model itself over several (tensor parallelism)."""
+        return world_size
+
+    @property
+    def data_parallel(self) -> DataParallel:
+        """This process's place among the data-parallel replicas (``data_parallel_size``'s)."""
+        return DataParallel(self.rank_info.rank, self.rank_info.world_size)
 
     def __init__(self, config: SailConfig, rank_info: RankInfo) -> None:
         self.config = config
@@ -211,6 +235,11 @@ class Backend(ABC):
         from spikingsail.checkpoint import dcp_io
 
         return dcp_io.full_model_state(module)
+
+    def live_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """What a healing replica group's counterpart rank takes from this one (``load_live_state``):
+        ``{"model": ..., "optimizer": ...}``, this rank's own parts of them."""
+        return {"model": module.state_dict(), "optimizer": optimizer.state_dict()}
 
     def load_live_state(
         self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]

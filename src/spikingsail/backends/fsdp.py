@@ -108,6 +108,10 @@ class FSDPBackend(ProcessGroupBackend):
         norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
+    def live_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's shards: its counterpart in a healing group holds the same ones."""
+        return {"model": _local(module.state_dict()), "optimizer": _local(optimizer.state_dict())}
+
     def load_live_state(
         self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
@@ -189,3 +193,12 @@ def _release_process_group(root: torch.nn.Module) -> None:
         registry = getattr(mesh, "_pg_registry", None)
         if isinstance(registry, dict):
             registry.clear()
+
+
+def _local(tree: Any) -> Any:
+    """``tree`` (a state dict, nested) with every DTensor replaced by its local shard."""
+    if isinstance(tree, dict):
+        return {key: _local(value) for key, value in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_local(value) for value in tree)
+    return tree.to_local() if isinstance(tree, DTensor) else tree

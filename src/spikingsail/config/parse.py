@@ -12,7 +12,7 @@ import json
 import math
 import re
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
@@ -20,6 +20,7 @@ from spikingsail.checks import FLOAT32_MAX, INT64_MAX, Range, check_number, reje
 from spikingsail.config.schema import (
     BATCH_KEYS,
     SailConfig,
+    SailSection,
     scalars,
     sections,
 )
@@ -83,12 +84,15 @@ def load_config(
     source: str | Path | dict[str, Any] | None,
     world_size: int,
     backend_sections: Mapping[str, type[Any]] = _NO_SECTIONS,
+    data_parallel_size: Callable[[str, dict[str, Any]], int] | None = None,
 ) -> SailConfig:
     """Read, validate and resolve a config for ``world_size`` processes.
 
     ``backend_sections`` adds top-level sections owned by others (a backend's options: name → dataclass),
     checked here like the table's own and handed back in ``SailConfig.backend_sections``.
-    ``spikingsail.backends.load_config`` passes every registered backend's.
+    ``data_parallel_size(backend, sections)`` says how many data-parallel replicas the processes
+    make under the chosen backend (all of them when not given): the batch sizes count those.
+    ``spikingsail.backends.load_config`` passes every registered backend's sections and sizes.
     """
     raw, where = _read(source)
     reject_unknown(
@@ -113,6 +117,12 @@ def load_config(
         for name, kind in _SCALARS.items()
         if name in raw
     }
+    sections = {
+        name: _build(cls, raw[name], where, name) for name, cls in backend_sections.items() if name in raw
+    }
+    if data_parallel_size is not None:
+        backend = given["sail"].backend if "sail" in given else SailSection().backend
+        world_size = data_parallel_size(backend, sections)
     micro, accum, total = _resolve_batch(raw, world_size, where)
     config = SailConfig(
         train_batch_size=total,
@@ -121,9 +131,7 @@ def load_config(
         world_size=world_size,
         zero_optimization=build_zero(raw.get("zero_optimization", False), where),
         inert_keys=tuple(sorted(k for k in raw if k in INERT_DEEPSPEED_KEYS)),
-        backend_sections={
-            name: _build(cls, raw[name], where, name) for name, cls in backend_sections.items() if name in raw
-        },
+        backend_sections=sections,
         source=where,
         raw=raw,
         **given,

@@ -280,7 +280,8 @@ class SailConfig:
     gradient_accumulation_steps: int = field(metadata={"resume": "split"})
     """Micro-steps per optimizer step (1 when only one batch key is given)."""
     world_size: int = internal(resume="split")
-    """The number of processes the batch sizes were resolved for."""
+    """The number of data-parallel replicas the batch sizes were resolved for: every process, unless
+    the backend splits the model over several (``Backend.data_parallel_size``)."""
     optimizer: OptimizerConfig | None = section(None, deepspeed=True)
     scheduler: SchedulerConfig | None = section(None, deepspeed=True)
     fp16: FP16Config = section(FP16Config, deepspeed=True)

@@ -31,6 +31,7 @@ from spikingsail.data.loader import ShardedLoader
 from spikingsail.engine import features
 from spikingsail.engine.balance import Balancer
 from spikingsail.engine.hooks import StepHooks, StepNotes
+from spikingsail.engine.names import DeepSpeedNames
 from spikingsail.engine.replicas import ReplicaEnv, ReplicaGroups
 from spikingsail.engine.setup import (
     check_optimizer_source,
@@ -59,7 +60,7 @@ log = logging.getLogger(__name__)
 LRScheduler = Any  # torch LRScheduler or one of spikingsail.optim.schedulers: anything with step()
 
 
-class Engine:
+class Engine(DeepSpeedNames):
     """The training loop's one object, what ``SpikingSail(args, model, optimizer).run()`` returns: the
     model wrapped by the chosen backend, called as ``engine(batch)``, with ``backward``, ``step``, a
     sharded ``dataloader``, checkpoints and the trained model out; the same calls on every backend."""
@@ -74,9 +75,7 @@ class Engine:
         optimizer: torch.optim.Optimizer | None = None,
         lr_scheduler: LRScheduler | None = None,
     ) -> None:
-        self.config = config
-        self.rank_info = rank_info
-        self.backend = backend
+        self.config, self.rank_info, self.backend = config, rank_info, backend
         check_optimizer_source(config, optimizer, lr_scheduler)
         if config.sail.seed is not None:
             seed_everything(config.sail.seed)
@@ -276,68 +275,6 @@ class Engine:
         values = {str(k): float(v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
         self.monitor.log(values, self.global_steps if step is None else step)
 
-    # -- DeepSpeed-compatible accessors --------------------------------------------------------
-
-    @property
-    def micro_steps(self) -> int:
-        """Micro-steps (forward and backward passes) taken so far."""
-        return self.counters.micro_steps
-
-    @property
-    def global_steps(self) -> int:
-        """Optimizer steps taken so far (skipped fp16 overflow steps included)."""
-        return self.counters.global_steps
-
-    @property
-    def global_samples(self) -> int:
-        """Samples trained on so far, over all ranks."""
-        return self.counters.global_samples
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped because fp16 gradients overflowed."""
-        return self.counters.skipped_steps
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the next ``step()`` ends an accumulation window and steps the optimizer."""
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
-
-    def gradient_accumulation_steps(self) -> int:
-        """Micro-steps per optimizer step (the config's ``gradient_accumulation_steps``)."""
-        return self.config.gradient_accumulation_steps
-
-    def train_batch_size(self) -> int:
-        """The global batch per optimizer step (the config's ``train_batch_size``)."""
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        """The batch each process takes per micro-step (the config's ``train_micro_batch_size_per_gpu``)."""
-        return self.config.train_micro_batch_size_per_gpu
-
-    def get_lr(self) -> list[float]:
-        """The learning rate of every parameter group of the optimizer."""
-        return [float(group["lr"]) for group in self.optimizer.param_groups]
-
-    @property
-    def loss_scale(self) -> float:
-        """The current fp16 loss scale (1.0 without fp16)."""
-        return self.backend.loss_scale
-
-    @property
-    def rank(self) -> int:
-        """This process's rank in the job."""
-        return self.rank_info.rank
-
-    @property
-    def local_rank(self) -> int:
-        """This process's rank on its node."""
-        return self.rank_info.local_rank
-
-    @property
-    def world_size(self) -> int:
-        """The number of processes in the job."""
-        return self.rank_info.world_size
-
     def train(self, mode: bool = True) -> Engine:
         """Put the model in training mode (or evaluation mode with ``mode=False``), as ``nn.Module.train``."""
         if mode != self.wrapped_module.training:
@@ -384,11 +321,12 @@ class Engine:
         replicated = (
             self.split.sampler(dataset, shuffle, seed, drop_last, loader_kwargs) if training else None
         )
+        replica = self.backend.data_parallel  # the loader shards by data-parallel replica
         loader = ShardedLoader(
             dataset,
             batch_size=batch_size or self.config.train_micro_batch_size_per_gpu,
-            rank=self.rank,
-            world_size=self.world_size,
+            rank=replica.rank,
+            world_size=replica.size,
             shuffle=shuffle,
             drop_last=drop_last,
             pad=pad,
@@ -406,62 +344,6 @@ class Engine:
             self.split.loader_made(loader)
         self.loaders.add(loader, dataset, arguments)
         return loader
-
-    # -- checkpoints (the checkpointer's, under DeepSpeed's names) ------------------------------
-
-    def save_checkpoint(
-        self,
-        save_dir: str | Path,
-        tag: str | None = None,
-        client_state: dict[str, Any] | None = None,
-        *,
-        async_save: bool | None = None,
-    ) -> str:
-        """Save everything needed to continue exactly here (DeepSpeed's name and arguments).
-
-        Every rank must call it. ``tag`` defaults to ``global_step{N}``; ``client_state`` may hold
-        tensors, numbers, strings, bools, None and lists/tuples/dicts of them. With ``async_save``
-        (default: the config's ``checkpoint.async_save``) the state is copied to host memory and
-        written in the background; the checkpoint appears (and ``latest`` moves) when the write
-        completes. A save waits for the previous background save first; so do loading and close().
-        """
-        path = self.checkpointer.save(save_dir, tag, client_state, async_save=async_save)
-        self._follow_checkpointer()
-        return path
-
-    def _follow_checkpointer(self) -> None:
-        """The checkpointer takes part in the steps once it has something to do at them."""
-        if self.checkpointer.wants_steps and self.checkpointer not in self.hooks:
-            self.hooks.add(self.checkpointer)
-
-    def wait_for_checkpoint(self) -> None:
-        """Block until a background save has been written and committed. If it failed: raise its
-        error on every rank — or, for a periodic save under checkpoint.on_error "continue", warn."""
-        self.checkpointer.wait()
-
-    def load_checkpoint(
-        self,
-        load_dir: str | Path,
-        tag: str | None = None,
-        load_optimizer_states: bool = True,
-        load_module_only: bool = False,
-    ) -> tuple[str, dict[str, Any]]:
-        """Restore a checkpoint; returns ``(path, client_state)``. ``tag`` None means the latest good one.
-
-        A resume continues the saved run: settings that shape the training must match the saved
-        ones (the split of train_batch_size over processes and accumulation may change on a step
-        boundary). ``load_module_only`` (DeepSpeed's name) takes the weights alone, for a new run.
-        """
-        path, client_state = self.checkpointer.load(
-            load_dir, tag, with_optimizer=load_optimizer_states, module_only=load_module_only
-        )
-        if not load_module_only:
-            self.backend.sync_counters(
-                self.micro_steps, self.global_steps, self.global_samples, self.skipped_steps
-            )
-            self.snn.after_load()
-            log.info("resumed from %s at step %d", path, self.global_steps)
-        return path, client_state
 
     def save_model(self, path: str | Path, *, dtype: torch.dtype = torch.float32) -> str | None:
         """Write the trained model as one consolidated state dict, loadable with

@@ -351,16 +351,6 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def local_state(tree: Any) -> Any:
-    """``tree`` (a state dict, nested) with every DTensor replaced by its local shard: what a healing
-    group's rank takes from its counterpart, which holds the same shards."""
-    if isinstance(tree, dict):
-        return {key: local_state(value) for key, value in tree.items()}
-    if isinstance(tree, list | tuple):
-        return type(tree)(local_state(value) for value in tree)
-    return local(tree) if isinstance(tree, torch.Tensor) else tree
-
-
 def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Consecutive gradients of one dtype and device, up to ``BUCKET_BYTES`` a bucket."""
     buckets: list[list[torch.Tensor]] = []

@@ -25,7 +25,7 @@ from spikingsail.data.loader import ShardedLoader
 from spikingsail.data.sampler import ReplicaBatchSampler
 from spikingsail.engine.balance import Balancer, loss_weight
 from spikingsail.engine.hooks import StepNotes
-from spikingsail.engine.replicas import ReplicaEnv, ReplicaGroups, local_state
+from spikingsail.engine.replicas import ReplicaEnv, ReplicaGroups
 from spikingsail.engine.state import StepCounters
 from spikingsail.engine.timing import ComputeTimer
 from spikingsail.environments import RankInfo
@@ -44,7 +44,8 @@ class EqualSplit:
     replicas: ReplicaGroups | None = None
 
     def __init__(self, config: SailConfig, counters: StepCounters, ranks: int) -> None:
-        """``ranks``: the processes of the job's process group (of one replica group's, with replica groups)."""
+        """``ranks``: the data-parallel replicas of the job's processes (``Backend.data_parallel``;
+        of one replica group's, with replica groups)."""
         self.config, self.counters, self.ranks = config, counters, ranks
         self.loader: ShardedLoader | None = None
 
@@ -146,7 +147,7 @@ def balanced_split(
     """The split ``sail.balance`` asks for (equal when off)."""
     balance = config.sail.balance
     if balance == "off":
-        return EqualSplit(config, counters, rank_info.world_size)
+        return EqualSplit(config, counters, backend.data_parallel.size)
     weights: list[float] | None = None
     if isinstance(balance, tuple):
         weights = list(balance)
@@ -257,10 +258,8 @@ class ReplicaSplit(EqualSplit):
         return loss * loss_weight(*share, self.ranks, self.counters.accumulation)
 
     def _live_state(self) -> dict[str, Any]:
-        """What a healing replica group takes from this one (with ``fsdp``, this rank's shards: its
-        counterpart in the healing group holds the same ones)."""
-        return {"model": local_state(self.module.state_dict()), "optimizer": local_state(self.optimizer.state_dict()),
-                "engine": self._engine_state[0]()}  # fmt: skip
+        """What a healing replica group takes from this one (the backend's parts, and the engine's)."""
+        return {**self.backend.live_state(self.module, self.optimizer), "engine": self._engine_state[0]()}
 
     def _replicated_tensors(self) -> Iterator[torch.Tensor]:
         """What every replica group must hold bit for bit at the same step: the model's state and the

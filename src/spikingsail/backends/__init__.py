@@ -9,7 +9,7 @@ from typing import Any
 from spikingsail.backends.base import Backend
 from spikingsail.config import SailConfig
 from spikingsail.config import load_config as _load_config
-from spikingsail.errors import BackendError
+from spikingsail.errors import BackendError, ConfigError
 
 # name -> "module:Class", so that choosing one backend never imports another's dependencies.
 _REGISTRY: dict[str, str] = {
@@ -53,10 +53,17 @@ def load_config(source: str | Path | dict[str, Any] | None, world_size: int) -> 
 
     def data_parallel_size(backend: str, sections: dict[str, Any]) -> int:
         if backend.lower() not in _REGISTRY:
-            return world_size  # refused where the backend is chosen, naming the config's file
+            return world_size  # refused below, naming the config's file
         return backend_class(backend).data_parallel_size(world_size, sections)
 
-    return _load_config(source, world_size, config_sections(), data_parallel_size)
+    config = _load_config(source, world_size, config_sections(), data_parallel_size)
+    if config.sail.backend.lower() not in _REGISTRY:  # a backend SpikingSail has, by name; its library
+        raise ConfigError(  # is checked when it is chosen, not here
+            f"{config.source}: sail.backend is {config.sail.backend!r}",
+            "it names the engine backend that runs the job",
+            f"use one of: {', '.join(available())}",
+        )
+    return config
 
 
 def _resolve(target: str) -> Any:

@@ -31,7 +31,7 @@ from spikingsail.backends.process_group import (
     init_default_group,
     rendezvous_store,
 )
-from spikingsail.checkpoint import dcp_io
+from spikingsail.checkpoint.deepspeed_format import STATE_TAG, safe_torch_load
 from spikingsail.config.parse import INERT_DEEPSPEED_KEYS, NOT_FOR_DEEPSPEED
 from spikingsail.config.schema import SailConfig
 from spikingsail.cuda_arch_list import readable_setting, unreadable_cuda_archs
@@ -45,8 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "DS_BUILD_OPS=0 pip install 'deepspeed==0.19.8'  (or: pip install 'spikingsail[deepspeed]')"
-STATE_TAG = "deepspeed"
-"""The tag of DeepSpeed's checkpoint inside a SpikingSail checkpoint's ``state/`` directory."""
 _NEVER = 2**62  # DeepSpeed's own step log is replaced by SpikingSail's monitor
 
 
@@ -429,25 +427,6 @@ def _describe(err: BaseException) -> str:
                 f"{'.'.join(map(str, e['loc']))}: {e['msg']} (found {e.get('input')!r})" for e in errors()
             )
     return f"{type(err).__name__}: {first_line(err)}"
-
-
-def _safe_globals() -> list[Any]:
-    """The non-tensor classes DeepSpeed's own checkpoints contain (loss scalers and enums)."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
-def safe_torch_load(path: Any, map_location: Any = None, **kwargs: Any) -> Any:
-    """``torch.load`` with ``weights_only=True`` whatever the caller asks (DeepSpeed's own readers ask
-    for full unpickling, which would let a checkpoint directory run code), DeepSpeed's loss scalers
-    and enums allowed; failures as ``CheckpointError``."""
-    return dcp_io.load_weights_only(
-        path, map_location, allowed_globals=_safe_globals(),
-        holds="tensors, plain data and DeepSpeed's loss scaler", **kwargs,
-    )  # fmt: skip
 
 
 def _safe_checkpoint_engine(engine: Any) -> Any:

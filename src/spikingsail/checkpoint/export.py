@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from spikingsail.checkpoint import dcp_io
 from spikingsail.checkpoint.checkpointer import Beat, Steps, on_rank_zero
+from spikingsail.checkpoint.deepspeed_format import STATE_TAG, safe_torch_load
 from spikingsail.checkpoint.engine_state import TrainingState
 from spikingsail.checkpoint.faults import filesystem, free_bytes
 from spikingsail.checkpoint.store import MANIFEST, CheckpointStore, replace_durably
@@ -283,8 +284,6 @@ def _state_problem(path: Path, engine: dict[str, Any]) -> str | None:
     if state_format == "dcp":
         found = (path / "state" / dcp_io.METADATA).is_file()
     elif state_format == "deepspeed":
-        from spikingsail.backends.deepspeed import STATE_TAG
-
         found = (path / "state" / STATE_TAG).is_dir()
     else:
         return f"it names {state_format!r} state, which this version cannot read (dcp or deepspeed)"
@@ -315,8 +314,6 @@ def _read_dcp_model(directory: Path) -> dict[str, torch.Tensor]:
 def _read_deepspeed_model(directory: Path, engine: dict[str, Any]) -> dict[str, torch.Tensor]:
     """DeepSpeed's checkpoint under ``state/`` (tag ``STATE_TAG``): ZeRO 1-3 through DeepSpeed's
     ``zero_to_fp32`` (fp32 master weights); stage 0 from the model file."""
-    from spikingsail.backends.deepspeed import STATE_TAG
-
     config = json.loads(engine.get("config", "{}"))  # checked by _engine_file
     stage = int(config.get("zero_optimization", {}).get("stage", 0))
     ds_dir = directory / STATE_TAG
@@ -356,8 +353,6 @@ def _weights_only_loads(module: types.ModuleType) -> Iterator[None]:
     """Run ``module``'s ``torch.load`` calls with ``weights_only=True`` (plus DeepSpeed's own
     loss-scaler and enum classes): DeepSpeed's reader asks for full unpickling, which would let a
     checkpoint directory run code."""
-    from spikingsail.backends.deepspeed import safe_torch_load
-
     real = getattr(module, "torch")  # noqa: B009
 
     class _Torch(types.ModuleType):

@@ -425,7 +425,6 @@ def _check_semantics(config: SailConfig) -> None:
             "a run uses one mixed-precision mode",
             "keep bf16 on GPUs that support it (A100, H100), fp16 otherwise (V100)",
         )
-    _check_backend(config)
     if config.optimizer is not None:
         resolve_optimizer(config.optimizer, where)
     if config.scheduler is not None:
@@ -435,16 +434,6 @@ def _check_semantics(config: SailConfig) -> None:
         check_balance_weights(list(config.sail.balance), config)
     _check_checkpoint(config)
     _check_snn(config)
-
-
-def _check_backend(config: SailConfig) -> None:
-    """A backend SpikingSail has, by name (its library is checked when it is chosen, not here)."""
-    from spikingsail.backends import available  # the backends import this module
-
-    if config.sail.backend.lower() not in available():
-        raise ConfigError(f"{config.source}: sail.backend is {config.sail.backend!r}",
-                          "it names the engine backend that runs the job",
-                          f"use one of: {', '.join(available())}")  # fmt: skip
 
 
 def _check_snn(config: SailConfig) -> None:

@@ -352,7 +352,15 @@ def cli_markdown() -> str:
     return "\n\n".join(parts)
 
 
+def deviations_markdown(peer: str) -> str:
+    from spikingsail.launchers.deviations import table
+
+    return table(peer)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
+    "deviations-deepspeed": lambda: deviations_markdown("DeepSpeed"),
+    "deviations-horovod": lambda: deviations_markdown("Horovod"),
     "config": config_markdown,
     "cli": cli_markdown,
     "matrix": matrix_markdown,

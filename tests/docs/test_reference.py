@@ -71,7 +71,7 @@ def test_every_flag_has_a_description(command: str) -> None:
 def test_the_launch_reference_has_torchruns_flags_and_ours() -> None:
     ref = reference()
     names = {row.name for row in ref.flag_rows(ref.cli_parsers()["sail launch"])}
-    assert {"--nproc-per-node, --nproc_per_node", "-H, --hostfile", "--dry-run"} <= names
+    assert {"--nproc-per-node, --nproc_per_node", "-H, --hostfile, --hosts, -hostfile", "--dry-run"} <= names
 
 
 def test_every_public_name_has_a_docstring_and_a_section() -> None:

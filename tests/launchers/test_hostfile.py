@@ -99,10 +99,13 @@ NODES = [Node(host="a", slots=(0, 1, 2, 3)), Node(host="b", slots=(0, 1, 2, 3)),
 
 
 def test_include_hosts_and_slots() -> None:
-    assert select_nodes(NODES, include="b:1,3@a") == [
-        Node(host="b", slots=(1, 3)),
+    """As DeepSpeed's launcher: the hosts in the host list's order, a host's entries merged."""
+    assert select_nodes(NODES, include="b:3,1@a") == [
         Node(host="a", slots=(0, 1, 2, 3)),
+        Node(host="b", slots=(1, 3)),
     ]
+    assert select_nodes(NODES, include="a:1,1") == [Node(host="a", slots=(1,))]
+    assert select_nodes(NODES, include="a:1@a:2") == [Node(host="a", slots=(1, 2))]
 
 
 def test_exclude_hosts_and_slots() -> None:
@@ -118,9 +121,11 @@ def test_include_of_an_unknown_host_names_it() -> None:
     assert "hosts available: a, b, c" in str(err.value)
 
 
-def test_include_of_a_slot_the_host_lacks() -> None:
-    with pytest.raises(LaunchError, match=r"slot\(s\) \[2\] of c"):
+def test_a_filter_naming_a_slot_the_host_lacks_is_refused() -> None:
+    with pytest.raises(LaunchError, match=r"--include names slot\(s\) \[2\] of c"):
         select_nodes(NODES, include="c:1,2")
+    with pytest.raises(LaunchError, match=r"--exclude names slot\(s\) \[4\] of b"):
+        select_nodes(NODES, exclude="b:4")
 
 
 def test_num_nodes_and_num_gpus() -> None:

@@ -21,8 +21,10 @@ from spikingsail.errors import LaunchError
 # A host name as ssh, pdsh and mpirun receive it: never starting with '-', which they would read as
 # an option (``-oProxyCommand=...`` runs a command), and nothing a shell or a host list would split.
 _HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
-# What may follow the host on a hostfile line: ``slots=N`` (DeepSpeed, Open MPI) or seed 000's ``N``.
-_SLOTS = re.compile(r"(?:slots\s*=\s*)?(?P<slots>\S+)")
+# What may follow the host on a hostfile line: ``slots=N`` (DeepSpeed, Open MPI; Open MPI's
+# ``max_slots=M`` after it, a limit on oversubscription that a job of ``slots`` processes never
+# reaches) or seed 000's ``N``.
+_SLOTS = re.compile(r"(?:slots\s*=\s*)?(?P<slots>[^\s=]+)(?:\s+max[_-]slots\s*=\s*(?P<most>\S+))?")
 _COUNT = re.compile(r"[0-9]{1,7}")
 MAX_SLOTS = 4096
 """More processes than any node runs; a larger count is a typo, not a machine."""
@@ -66,7 +68,8 @@ def parse_hostfile(path: str | Path, default_slots: int | None = None) -> list[N
         if rest and match is None:
             raise LaunchError(
                 f"{where}: cannot read {raw.strip()!r}",
-                "a hostfile line is 'HOST slots=N' (DeepSpeed, Open MPI) or 'HOST N'",
+                "a hostfile line is 'HOST slots=N' (DeepSpeed; Open MPI's may add max_slots=M) or 'HOST N'; "
+                "DeepSpeed's launcher would read the digits after slots= and ignore the rest",
                 "fix or comment out that line",
             )
         if host in seen:
@@ -77,6 +80,16 @@ def parse_hostfile(path: str | Path, default_slots: int | None = None) -> list[N
             )
         seen[host] = number
         slots = _slot_count(match["slots"] if match else None, default_slots, where)
+        if (
+            match
+            and match["most"] is not None
+            and _slot_count(match["most"], None, f"{where}: max_slots") < slots
+        ):
+            raise LaunchError(
+                f"{where}: max_slots {match['most']} is below slots {match['slots']}",
+                "Open MPI refuses a host whose max_slots is below its slots",
+                "raise max_slots, or lower slots",
+            )
         nodes.append(Node(host=host, slots=tuple(range(slots))))
     if not nodes:
         raise LaunchError(f"hostfile {path} lists no hosts", fix="add one 'HOST slots=N' line per node")
@@ -110,7 +123,8 @@ def _slot_count(value: str | None, default: int | None, where: str) -> int:
         if default is None:
             raise LaunchError(
                 f"{where}: no slot count",
-                "a bare host name needs --nproc-per-node to say how many processes it runs",
+                "a bare host name needs --nproc-per-node to say how many processes it runs "
+                "(DeepSpeed's launcher refuses a line without slots=N)",
                 "write 'HOST slots=N', or pass --nproc-per-node",
             )
         value = str(default)
@@ -118,44 +132,53 @@ def _slot_count(value: str | None, default: int | None, where: str) -> int:
     if not _COUNT.fullmatch(value) or not 1 <= int(value) <= MAX_SLOTS:
         raise LaunchError(
             f"{where}: slot count {value[:40]!r} is not an integer from 1 to {MAX_SLOTS}",
-            "a node runs one process per slot",
-            "write e.g. 'slots=4'",
+            "a node runs one process per slot (DeepSpeed's launcher would read the leading digits, "
+            "and list a host of slots=0 with nothing to run)",
+            "write e.g. 'slots=4', or leave the host out",
         )
     return int(value)
 
 
 def parse_host_list(spec: str) -> list[Node]:
-    """horovodrun's ``-H h1:2,h2:2`` (a host without a count has 1 slot)."""
+    """horovodrun's ``-H h1:2,h2:2`` (a host without a count has 1 slot, as for mpirun)."""
     nodes: list[Node] = []
     where = f"-H {spec!r}"
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        host, _, count = item.rpartition(":") if ":" in item else (item, "", "1")
-        if not host:
+    for item in (part.strip() for part in spec.split(",")):
+        host, _, count = item.partition(":") if ":" in item else (item, "", "1")
+        if not host or ":" in count:
             raise LaunchError(
                 f"{where}: cannot read {item!r}",
                 "the host list is HOST:SLOTS[,HOST:SLOTS...], as for horovodrun",
                 "write e.g. -H node1:2,node2:2",
             )
         check_host(host, where)
-        nodes.append(Node(host=host, slots=tuple(range(_slot_count(count, None, f"{where}, {item!r}")))))
-    if not nodes:
-        raise LaunchError(f"{where} lists no hosts")
+        if any(node.host == host for node in nodes):
+            raise LaunchError(
+                f"{where}: host {host} is named twice",
+                "horovodrun would start both entries' processes with local ranks from 0: two on one GPU",
+                "give the host once, with all its slots",
+            )
+        nodes.append(
+            Node(host=host, slots=tuple(range(_slot_count(count.strip(), None, f"{where}, {item!r}"))))
+        )
     return nodes
 
 
-def _parse_filter(spec: str, flag: str) -> dict[str, tuple[int, ...] | None]:
-    """``host[:s,s]@host`` → {host: slots or None for all}."""
-    out: dict[str, tuple[int, ...] | None] = {}
-    for part in filter(None, spec.split("@")):
-        host, _, slots = part.partition(":")
-        if not host or (slots and not all(_COUNT.fullmatch(s.strip()) for s in slots.split(","))):
+def _parse_filter(spec: str, flag: str) -> dict[str, tuple[int, ...]]:
+    """``host[:s,s]@host`` → {host: its slots, () for all}, as DeepSpeed's launcher reads it
+    (``parse_node_config_list``): the entries of one host merge, their slots sorted without repeats
+    (``a:1@a:2`` is ``a:1,2``; ``a@a:1`` is ``a:1``)."""
+    out: dict[str, set[int]] = {}
+    for part in spec.split("@"):
+        host, colon, slots = part.partition(":")
+        if not host or (colon and not all(_COUNT.fullmatch(s.strip()) for s in slots.split(","))):
             raise LaunchError(
                 f"{flag} {spec!r}: cannot read {part!r}",
                 f"{flag} takes HOST[:SLOT,SLOT...] entries joined by '@', as DeepSpeed's launcher does",
                 f"write e.g. {flag} 'node1:0,1@node2'",
             )
-        out[host] = tuple(int(s) for s in slots.split(",")) if slots else None
-    return out
+        out.setdefault(host, set()).update(int(s) for s in slots.split(",") if colon)
+    return {host: tuple(sorted(slots)) for host, slots in out.items()}
 
 
 def select_nodes(
@@ -166,26 +189,20 @@ def select_nodes(
     num_nodes: int | None = None,
     num_gpus: int | None = None,
 ) -> list[Node]:
-    """Apply DeepSpeed's --include / --exclude / --num_nodes / --num_gpus to a node list."""
+    """Apply DeepSpeed's --include / --exclude / --num_nodes / --num_gpus to a node list, with the
+    results and refusals of DeepSpeed's own ``parse_resource_filter``: the hosts stay in the host
+    list's order, and a filter naming a host or slot the list lacks is refused."""
     if include and exclude:
-        raise LaunchError("--include and --exclude were both given", fix="use one of them")
-    known = {n.host: n for n in nodes}
-    if include:
-        wanted = _parse_filter(include, "--include")
-        _check_known(wanted, known, "--include")
-        nodes = [_keep(known[h], s, "--include") for h, s in wanted.items()]
-    if exclude:
-        dropped = _parse_filter(exclude, "--exclude")
-        _check_known(dropped, known, "--exclude")
-        kept = []
-        for node in nodes:
-            if node.host not in dropped:
-                kept.append(node)
-            elif dropped[node.host] is not None:
-                remaining = tuple(s for s in node.slots if s not in (dropped[node.host] or ()))
-                if remaining:
-                    kept.append(Node(host=node.host, slots=remaining))
-        nodes = kept
+        raise LaunchError(
+            "--include and --exclude were both given",
+            "DeepSpeed's launcher takes one of them",
+            "use one of them",
+        )
+    for spec, flag in ((include, "--include"), (exclude, "--exclude")):
+        if spec:
+            chosen = _parse_filter(spec, flag)
+            _check_known(chosen, nodes, flag)
+            nodes = _filtered(nodes, chosen, keep=flag == "--include")
     if num_nodes is not None:
         if num_nodes < 1 or num_nodes > len(nodes):
             raise LaunchError(
@@ -206,26 +223,39 @@ def select_nodes(
     return nodes
 
 
-def _check_known(wanted: dict[str, tuple[int, ...] | None], known: dict[str, Node], flag: str) -> None:
-    for host in wanted:
+def _check_known(chosen: dict[str, tuple[int, ...]], nodes: list[Node], flag: str) -> None:
+    known = {n.host: n for n in nodes}
+    for host, slots in chosen.items():
         if host not in known:
             raise LaunchError(
                 f"{flag} names host {host}, which is not in the host list",
                 f"hosts available: {', '.join(known)}",
                 "add it to the hostfile, or correct the name",
             )
+        missing = [s for s in slots if s not in known[host].slots]
+        if missing:
+            raise LaunchError(
+                f"{flag} names slot(s) {missing} of {host}, which has slots {list(known[host].slots)}",
+                "DeepSpeed's launcher refuses a slot the host does not have",
+                "use slot indices below the host's slot count",
+            )
 
 
-def _keep(node: Node, slots: tuple[int, ...] | None, flag: str) -> Node:
-    if slots is None:
-        return node
-    missing = [s for s in slots if s not in node.slots]
-    if missing:
-        raise LaunchError(
-            f"{flag} asks for slot(s) {missing} of {node.host}, which has slots {list(node.slots)}",
-            fix="use slot indices below the host's slot count",
-        )
-    return Node(host=node.host, slots=slots)
+def _filtered(nodes: list[Node], chosen: dict[str, tuple[int, ...]], *, keep: bool) -> list[Node]:
+    """``--include`` (``keep``): the chosen hosts, with the chosen slots (all for ``()``);
+    ``--exclude``: every host less the chosen slots (the whole host for ``()``). A host left with
+    no slot is left out."""
+    out = []
+    for node in nodes:
+        if node.host not in chosen:
+            if not keep:
+                out.append(node)
+            continue
+        named = chosen[node.host] or node.slots
+        slots = named if keep else tuple(s for s in node.slots if s not in named)
+        if slots:
+            out.append(Node(host=node.host, slots=slots))
+    return out
 
 
 def distribute(nodes: list[Node], total: int) -> list[Node]:

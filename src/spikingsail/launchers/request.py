@@ -8,6 +8,7 @@ launchers (``-H``, ``--include``, ``--exclude``, ``--num_nodes``, ``--num_gpus``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 from pathlib import Path
@@ -54,8 +55,8 @@ __all__ = [
 
 # SpikingSail's flags and how many values each takes; they never reach torchrun.
 _OWN_FLAGS = {
-    "-n": 1, "--dry-run": 0, "-H": 1, "--hostfile": 1, "-np": 1, "--include": 1, "--exclude": 1,
-    "--num-nodes": 1, "--num-gpus": 1, "--launcher": 1, "--ssh-port": 1, "--ssh-user": 1, "--ssh-config": 1,
+    "-n": 1, "--dry-run": 0, "-H": 1, "--hostfile": 1, "--hosts": 1, "-hostfile": 1, "-np": 1, "--num-proc": 1, "-i": 1, "--include": 1, "-e": 1, "--exclude": 1,
+    "--num-nodes": 1, "--num-gpus": 1, "--num-accelerators": 1, "--launcher": 1, "--ssh-port": 1, "--ssh-user": 1, "--ssh-config": 1,
     "--connect-timeout": 1, "--heartbeat-timeout": 1, "--env": 1, "--launcher-args": 1, "--dist-init-method": 1,
     "--ft-replicas": 1, "--ft-heartbeat-timeout": 1,
 }  # fmt: skip
@@ -77,14 +78,25 @@ def parser() -> argparse.ArgumentParser:
     own.add_argument(
         "--dry-run", action="store_true", help="print the commands per node instead of running them"
     )
-    own.add_argument("-H", "--hostfile", help="hostfile ('HOST slots=N' lines) or a host list 'h1:2,h2:2'")
     own.add_argument(
-        "-np", dest="total_procs", type=int, help="total processes, filling hosts in order (horovodrun)"
-    )
-    own.add_argument("--include", help="DeepSpeed's host[:slot,...]@host filter")
-    own.add_argument("--exclude", help="DeepSpeed's host[:slot,...]@host filter")
+        "-H", "--hostfile", "--hosts", "-hostfile", dest="hostfile",
+        help="hostfile ('HOST slots=N' lines) or a host list 'h1:2,h2:2' (horovodrun's -H and -hostfile alike)",
+    )  # fmt: skip
+    own.add_argument(
+        "-np", "--num-proc", dest="total_procs", type=int,
+        help="total processes, filling the hosts in order; without -H, on this machine (horovodrun)",
+    )  # fmt: skip
+    own.add_argument("-i", "--include", help="DeepSpeed's host[:slot,...]@host filter")
+    own.add_argument("-e", "--exclude", help="DeepSpeed's host[:slot,...]@host filter")
     own.add_argument("--num_nodes", "--num-nodes", dest="num_nodes", type=int, help="use the first N hosts")
-    own.add_argument("--num_gpus", "--num-gpus", dest="num_gpus", type=int, help="use N slots per host")
+    own.add_argument(
+        "--num_gpus",
+        "--num-gpus",
+        "--num_accelerators",
+        dest="num_gpus",
+        type=int,
+        help="use N slots per host",
+    )
     own.add_argument(
         "--launcher",
         choices=LAUNCHER_NAMES,
@@ -147,12 +159,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse_request(argv: list[str]) -> LaunchRequest:
-    ns = parser().parse_args(argv)
+    ns, argv = _parse(argv)
     split = _script_index(argv, ns.training_script, ns.training_script_args)
-    torchrun = TorchrunArgs.read(ns, argv[:split], _OWN_FLAGS)
+    torchrun = _np_here(ns, TorchrunArgs.read(ns, argv[:split], _OWN_FLAGS))
     nnodes = check_values(ns)
     _check_script(ns)
-    nodes = _nodes(ns)
+    nodes = _nodes(ns, torchrun)
     name = ns.launcher or default_launcher(bool(nodes), os.environ)
     launcher = LAUNCHERS[name]()
     if launcher.needs_hosts and not nodes:
@@ -195,6 +207,66 @@ def parse_request(argv: list[str]) -> LaunchRequest:
         ),
         world_size=_world_size(name, nodes, flags, ns.training_script, groups),
         max_restarts=int(ns.max_restarts),
+    )
+
+
+_LAUNCHER_ARGS = ("--launcher-args", "--launcher_args")
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The command line read, and as read: ``--launcher_args '-mca btl ...'`` taken as DeepSpeed's
+    launcher takes it, whatever its value starts with (argparse would read ``-mca`` as torchrun's
+    ``-m``). Only before the script: the script's own arguments reach it as written."""
+    glued = [i for i, arg in enumerate(argv[:-1]) if arg in _LAUNCHER_ARGS and argv[i + 1].startswith("-")]
+    while True:
+        joined = _glue(argv, glued)
+        ns = parser().parse_args(joined)
+        split = len(joined) - len(ns.training_script_args)
+        kept = [i for n, i in enumerate(glued) if i - n < split]  # a glued pair moves the rest back one
+        if kept == glued:
+            return ns, joined
+        glued = kept
+
+
+def _glue(argv: list[str], at: list[int]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif i in at:
+            out.append(f"{arg}={argv[i + 1]}")
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def _np_here(ns: argparse.Namespace, torchrun: TorchrunArgs) -> TorchrunArgs:
+    """horovodrun's ``-np N`` without hosts: N processes on this machine, as ``-n N``."""
+    if ns.total_procs is None or ns.hostfile:
+        return torchrun
+    name = ns.launcher or default_launcher(False, os.environ)
+    launcher = LAUNCHERS[name]
+    if launcher.here_without_hosts:
+        return torchrun  # the launcher's own command runs them here (_nodes)
+    if not launcher.agents_here:
+        raise LaunchError(
+            f"-np {ns.total_procs} without -H under --launcher {name}",
+            "-np fills the hosts of -H in order; without hosts it runs the processes on this machine, as "
+            "horovodrun does, which this launcher does not",
+            "pass -H hostfile (or -H host1:2,host2:2)",
+        )
+    if torchrun.explicit_nproc:
+        raise LaunchError(
+            "-np and --nproc-per-node were both given without -H",
+            "-np N without hosts runs N processes on this machine, as horovodrun does: the same thing",
+            "give one of them",
+        )
+    if not 1 <= ns.total_procs <= MAX_SLOTS:
+        raise LaunchError(f"-np {ns.total_procs} is not a process count from 1 to {MAX_SLOTS}")
+    return dataclasses.replace(
+        torchrun, nproc_per_node=str(ns.total_procs), written=torchrun.written | {"-n"}
     )
 
 
@@ -328,7 +400,7 @@ def _check_script(ns: argparse.Namespace) -> None:
         )
 
 
-def _nodes(ns: argparse.Namespace) -> list[Node] | None:
+def _nodes(ns: argparse.Namespace, torchrun: TorchrunArgs) -> list[Node] | None:
     if not ns.hostfile and ns.launcher and LAUNCHERS[ns.launcher].here_without_hosts:
         # every process on this machine (-np, or --nproc-per-node)
         total = ns.total_procs if ns.total_procs is not None else count(ns.nproc_per_node)
@@ -337,11 +409,13 @@ def _nodes(ns: argparse.Namespace) -> list[Node] | None:
                 raise LaunchError(f"-np {total} is not a process count from 1 to {MAX_SLOTS}")
             return [Node(host="localhost", slots=tuple(range(total)))]
     if not ns.hostfile:
-        for flag in ("include", "exclude", "num_nodes", "num_gpus", "total_procs"):
-            if getattr(ns, flag) is not None:
-                raise LaunchError(f"--{flag.replace('_', '-')} needs hosts", fix="pass -H hostfile")
+        for flag, dest in (("--include", "include"), ("--exclude", "exclude"), ("--num_nodes", "num_nodes"),
+                           ("--num_gpus", "num_gpus")):  # fmt: skip
+            if getattr(ns, dest) is not None:
+                raise LaunchError(f"{flag} needs hosts", fix="pass -H hostfile")
         return None
-    default = count(ns.nproc_per_node)
+    # a bare host name takes --nproc-per-node when it is given (torchrun's default 1 is no choice)
+    default = count(ns.nproc_per_node) if torchrun.explicit_nproc else None
     if Path(ns.hostfile).is_file():
         nodes = parse_hostfile(ns.hostfile, default_slots=default)
     elif ":" in ns.hostfile or "," in ns.hostfile:

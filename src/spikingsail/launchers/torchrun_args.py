@@ -31,8 +31,8 @@ def flag_name(arg: str) -> str:
     ``--nproc-per-node`` are ``--nproc-per-node``; ``-n4`` is ``-n``, ``-Hhostfile`` is ``-H``)."""
     if arg.startswith("-n") and count(arg[2:]) is not None:
         return "-n"
-    if arg.startswith("-H"):
-        return "-H"
+    if arg[:2] in ("-H", "-i", "-e") and not arg.startswith("-hostfile"):
+        return arg[:2]  # sail's one-letter flags, their value attached or not
     name = arg.split("=", 1)[0]
     return name.replace("_", "-") if name.startswith("--") else name
 
@@ -43,7 +43,7 @@ def flag_names(args: list[str]) -> frozenset[str]:
 
 def names_hosts(args: list[str]) -> bool:
     """Whether ``args`` give hosts: ``-H FILE``, ``-HFILE``, ``--hostfile FILE``, ``--hostfile=FILE``."""
-    return any(arg.startswith(("-H", "--hostfile")) for arg in args)
+    return any(arg.startswith(("-H", "--hostfile", "--hosts", "-hostfile")) for arg in args)
 
 
 def count(value: object) -> int | None:

@@ -1,0 +1,58 @@
+"""horovodrun's ``-H`` host lists and ``-np`` against Horovod's own code on the same input: generated
+host lists, the processes SpikingSail starts on each host compared with what
+``horovod.runner.common.util.hosts`` assigns, and a refusal where it raises."""
+
+from __future__ import annotations
+
+import collections
+
+from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from spikingsail.errors import LaunchError
+from spikingsail.launchers.deviations import DEVIATIONS
+from spikingsail.launchers.hostfile import distribute, parse_host_list
+
+# (entry, the deviations that may make SpikingSail's reading differ from horovodrun's)
+slots = st.sampled_from(
+    [("1", ()), ("2", ()), ("4", ()), ("0", ("hosts-zero-slots",)), ("+2", ("hosts-slot-spelling",)),
+     (" 2", ()), ("x", ())]
+)  # fmt: skip
+entries = st.tuples(st.sampled_from(["node1", "node2", "10.0.0.3", ""]), st.none() | slots).map(
+    lambda e: (
+        (e[0], ("hosts-bare",) if e[0] else ())
+        if e[1] is None
+        else (f"{e[0]}:{e[1][0]}", e[1][1] + (() if e[0] else ("hosts-host-name",)))
+    )
+)
+
+
+def horovods(spec: str, np: int) -> dict[str, int] | None:
+    try:
+        assigned = get_host_assignments(parse_hosts(spec), np, np)
+    except ValueError:
+        return None
+    return dict(collections.Counter(slot.hostname for slot in assigned))
+
+
+def ours(spec: str, np: int) -> dict[str, int] | None:
+    try:
+        return {node.host: node.nproc for node in distribute(parse_host_list(spec), np)}
+    except LaunchError:
+        return None
+
+
+@given(items=st.lists(entries, min_size=1, max_size=4), np=st.integers(1, 9))
+@example(items=[("node1:2", ()), ("node2:2", ())], np=3)
+@example(items=[("node1:2", ()), ("", ()), ("node2:2", ())], np=2)  # an empty entry: both refuse
+@settings(max_examples=300, deadline=None)
+def test_host_lists_start_what_horovodrun_starts(items: list[tuple[str, tuple[str, ...]]], np: int) -> None:
+    spec = ",".join(item for item, _ in items)
+    allowed = {why for _, whys in items for why in whys}
+    hosts = [item.partition(":")[0].strip() for item, _ in items]
+    if len(set(hosts)) < len(hosts):
+        allowed.add("hosts-repeated")
+    assert allowed <= DEVIATIONS.keys()
+    if ours(spec, np) != horovods(spec, np):
+        assert allowed, f"-H {spec!r} -np {np}: horovodrun {horovods(spec, np)}, SpikingSail {ours(spec, np)}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -129,11 +130,26 @@ def test_zero_optimization_forms() -> None:
     assert "unknown key 'stages'" in error({**MICRO, "zero_optimization": {"stages": 1}})
 
 
-def test_bad_json_names_file_and_line(tmp_path: Path) -> None:
+def test_a_file_is_read_as_deepspeed_reads_it_and_a_bad_one_names_file_and_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSpeed reads config files as hjson: comments and trailing commas. A file that is neither
+    names its line; without hjson installed, a file that is not JSON says what would read it."""
+    import hjson
+
     path = tmp_path / "ds.json"
-    path.write_text('{\n  "train_batch_size": 8,\n  "fp16": {"enabled": true},\n}\n')
+    path.write_text('{\n  // the global batch\n  "train_batch_size": 8,\n  "fp16": {"enabled": true},\n}\n')
+    assert (
+        load_config(path, world_size=1).train_batch_size
+        == 8
+        == hjson.loads(path.read_text())["train_batch_size"]
+    )
+    path.write_text('{\n  "train_batch_size": 8\n  "fp16": [1,\n}\n')
+    assert f"{path}:4:1: neither JSON nor hjson (which DeepSpeed reads)" in error(path)
+    monkeypatch.setitem(sys.modules, "hjson", None)  # not installed
+    path.write_text('{\n  "train_batch_size": 8,\n}\n')
     message = error(path)
-    assert f"{path}:4:1: not valid JSON" in message
+    assert f"{path}:3:1: not valid JSON" in message and "pip install hjson" in message
 
 
 def test_a_key_given_twice_names_the_line_of_the_second(tmp_path: Path) -> None:

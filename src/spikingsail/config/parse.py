@@ -8,15 +8,14 @@ It runs before any process group exists, so a mistake never leaves ranks waiting
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import re
 import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from spikingsail.checks import FLOAT32_MAX, INT64_MAX, Range, check_number, reject_unknown
+from spikingsail.config.files import read_config
 from spikingsail.config.schema import (
     BATCH_KEYS,
     SailConfig,
@@ -94,7 +93,7 @@ def load_config(
     make under the chosen backend (all of them when not given): the batch sizes count those.
     ``spikingsail.backends.load_config`` passes every registered backend's sections and sizes.
     """
-    raw, where = _read(source)
+    raw, where = read_config(source)
     reject_unknown(
         raw, TOP_LEVEL_KEYS | backend_sections.keys() | INERT_DEEPSPEED_KEYS, where, "the top level"
     )
@@ -139,95 +138,6 @@ def load_config(
     )
     _check_semantics(config)
     return config
-
-
-def _read(source: str | Path | dict[str, Any] | None) -> tuple[dict[str, Any], str]:
-    if source is None:
-        return {}, "<no config>"
-    if isinstance(source, dict):
-        return dict(source), "<dict>"
-    path = Path(source)
-    if not path.is_file():
-        raise ConfigError(
-            f"config file {path} does not exist",
-            "--sail-config / --deepspeed_config must name a JSON file",
-            "check the path, or pass a dict to spikingsail.initialize(config=...)",
-        )
-    text = _text(path)
-    try:
-        raw = json.loads(text, object_pairs_hook=_unique_keys)
-    except json.JSONDecodeError as err:
-        raise ConfigError(
-            f"{path}:{err.lineno}:{err.colno}: not valid JSON",
-            err.msg,
-            "fix the JSON at that line (trailing commas and comments are not allowed)",
-        ) from None
-    except (ValueError, RecursionError) as err:  # an integer of over 4300 digits, too deep a nesting
-        raise ConfigError(f"{path}: not a config", str(err).split("; ")[0], "fix the JSON") from None
-    except _DuplicateKeyError as err:
-        raise ConfigError(
-            f"{path}:{_line_of_second(text, err.key)}: the key '{err.key}' appears twice in one object",
-            "JSON readers keep only the last one, so the other would be ignored without a word",
-            "keep one of them",
-        ) from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the config must be a JSON object", f"found {type(raw).__name__}")
-    return raw, str(path)
-
-
-def _text(path: Path) -> str:
-    """The file's text: UTF-8 (JSON's encoding), naming the line of the first byte that is not."""
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise ConfigError(f"cannot read the config file {path}", err.strerror or str(err),
-                          "check its permissions") from None  # fmt: skip
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = data.count(b"\n", 0, err.start) + 1
-        raise ConfigError(f"{path}:{line}: byte {err.start} ({data[err.start]:#04x}) is not UTF-8",
-                          "a JSON config is UTF-8 text", "save the file as UTF-8") from None  # fmt: skip
-
-
-class _DuplicateKeyError(Exception):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKeyError(key)
-        out[key] = value
-    return out
-
-
-def _line_of_second(text: str, key: str) -> int:
-    """The line where a JSON object (already known to be valid) repeats ``key``, 1-based."""
-    objects: list[set[str]] = []
-    string = re.compile(r'"(?:[^"\\]|\\.)*"')
-    i = 0
-    while i < len(text):
-        char = text[i]
-        if char == "{":
-            objects.append(set())
-        elif char == "}":
-            objects.pop()
-        elif char == '"':
-            end = string.match(text, i).end()  # type: ignore[union-attr]  # valid JSON: a string ends
-            name = json.loads(text[i:end])
-            is_key = text[end:].lstrip().startswith(":") and objects
-            if is_key and name == key and name in objects[-1]:
-                return text.count("\n", 0, i) + 1
-            if is_key:
-                objects[-1].add(name)
-            i = end
-            continue
-        i += 1
-    return 1
 
 
 def _build(cls: type[Any], raw: Any, where: str, name: str) -> Any:

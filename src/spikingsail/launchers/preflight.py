@@ -3,7 +3,6 @@ read the job's config as its engine will (one error here, not one from every ran
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import subprocess
@@ -219,12 +218,14 @@ def check_config(path: str, world_size: int | None, replica_groups: int = 0) -> 
 
 
 def _json_object(path: str) -> dict[str, Any] | None:
-    """The file's JSON object, or None when it is not one (the loader then says why)."""
+    """The file's object (JSON, or hjson as DeepSpeed reads it), or None when it is not one (the
+    loader then says why)."""
+    from spikingsail.config.files import read_config
+
     try:
-        raw = json.loads(Path(path).read_bytes())
-    except (OSError, ValueError, RecursionError):
+        return read_config(path)[0]
+    except SailError:
         return None
-    return raw if isinstance(raw, dict) else None
 
 
 def _fitting_world(path: str, given: dict[str, Any]) -> int:

@@ -142,13 +142,16 @@ def config_rows() -> list[Row]:
     for key, kind in zero.ZERO_KEYS.items():
         allowed = kind if isinstance(kind, str) else kind.describe()
         text = zero_docs.get(key) or (
-            "DeepSpeed's key with DeepSpeed's meaning, checked with DeepSpeed's type and bounds; "
-            "the deepspeed backend hands it to DeepSpeed, the others read only stage."
+            "DeepSpeed's key with DeepSpeed's meaning; the deepspeed backend hands it to DeepSpeed, whose "
+            "config class checks it (and any other key it has); the others read only stage, and check it "
+            "with DeepSpeed's type and bounds."
         )
         rows.append(Row(f"zero_optimization.{key}", "", "DeepSpeed's", str(allowed), text))
     for key in sorted(parse.INERT_DEEPSPEED_KEYS):
         rows.append(Row(key, "any", "", "", "DeepSpeed's key, accepted so that a DeepSpeed file loads; "
-                        "a warning names it when the chosen backend does not act on it."))  # fmt: skip
+                        "a warning names it when the chosen backend does not act on it. Where DeepSpeed "
+                        "is installed, every top-level key its config class reads is accepted, and "
+                        "checked by it."))  # fmt: skip
     return rows
 
 

@@ -47,16 +47,30 @@ def config_sections() -> dict[str, type[Any]]:
     return {name: _resolve(target) for name, target in _SECTIONS.items()}
 
 
+class _Library:
+    """``config.parse.Library`` for the registered backends: each backend class says what it and
+    its library make of a config (an unknown name is refused once the config is read)."""
+
+    def data_parallel_size(self, backend: str, world_size: int, sections: dict[str, Any]) -> int:
+        return (
+            backend_class(backend).data_parallel_size(world_size, sections)
+            if backend in _REGISTRY
+            else world_size
+        )
+
+    def validates(self, backend: str) -> bool:
+        return backend in _REGISTRY and backend_class(backend).reads_deepspeed_config
+
+    def keys(self, config: SailConfig) -> frozenset[str] | None:
+        backend = config.sail.backend.lower()
+        return backend_class(backend).library_keys(config) if backend in _REGISTRY else None
+
+
 def load_config(source: str | Path | dict[str, Any] | None, world_size: int) -> SailConfig:
-    """``spikingsail.config.load_config`` with the backends' sections, the batch sizes counting the
-    chosen backend's data-parallel replicas of ``world_size`` processes: how a user's config is read."""
-
-    def data_parallel_size(backend: str, sections: dict[str, Any]) -> int:
-        if backend.lower() not in _REGISTRY:
-            return world_size  # refused below, naming the config's file
-        return backend_class(backend).data_parallel_size(world_size, sections)
-
-    config = _load_config(source, world_size, config_sections(), data_parallel_size)
+    """``spikingsail.config.load_config`` with the backends' sections and what their libraries read,
+    the batch sizes counting the chosen backend's data-parallel replicas of ``world_size`` processes:
+    how a user's config is read."""
+    config = _load_config(source, world_size, config_sections(), _Library())
     if config.sail.backend.lower() not in _REGISTRY:  # a backend SpikingSail has, by name; its library
         raise ConfigError(  # is checked when it is chosen, not here
             f"{config.source}: sail.backend is {config.sail.backend!r}",

@@ -44,8 +44,9 @@ class DataParallel:
 
 class Backend(ABC):
     name: ClassVar[str]
-    honoured_deepspeed_keys: ClassVar[frozenset[str]] = frozenset()
-    """DeepSpeed keys outside SpikingSail's core that this backend acts on (others only warn)."""
+    reads_deepspeed_config: ClassVar[bool] = False
+    """DeepSpeed reads the config: every DeepSpeed key takes effect, and DeepSpeed's config class
+    checks the keys SpikingSail does not read (``library_keys``). Else those keys only warn."""
     max_zero_stage: ClassVar[int] = 0
     """The highest ``zero_optimization.stage`` this backend implements."""
     honours_zero_options: ClassVar[bool] = False
@@ -65,6 +66,25 @@ class Backend(ABC):
     def replica_refusal(cls, config: SailConfig) -> tuple[str, str, str] | None:
         """What of ``config`` replica groups of this backend cannot keep exact (what, why, fix), if anything."""
         return None
+
+    @classmethod
+    def library_keys(cls, config: SailConfig) -> frozenset[str] | None:
+        """The top-level keys of the user's file outside SpikingSail's table that the installed
+        DeepSpeed reads, asked of DeepSpeed itself (which refuses the keys it removed); None where
+        DeepSpeed is not installed. This backend acts on none of them (the engine warns)."""
+        from spikingsail.backends import deepspeed_keys
+        from spikingsail.config.parse import TOP_LEVEL_KEYS
+
+        foreign = {
+            k: v
+            for k, v in config.raw.items()
+            if k not in TOP_LEVEL_KEYS and k not in config.backend_sections
+        }
+        if not foreign:
+            return frozenset()
+        if not deepspeed_keys.installed():
+            return None
+        return deepspeed_keys.read({**foreign, "train_micro_batch_size_per_gpu": 1}, 1, config.source)
 
     @classmethod
     def data_parallel_size(cls, world_size: int, sections: dict[str, Any]) -> int:

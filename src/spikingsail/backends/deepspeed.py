@@ -32,7 +32,7 @@ from spikingsail.backends.process_group import (
     rendezvous_store,
 )
 from spikingsail.checkpoint.deepspeed_format import STATE_TAG, safe_torch_load
-from spikingsail.config.parse import INERT_DEEPSPEED_KEYS, NOT_FOR_DEEPSPEED
+from spikingsail.config.parse import NOT_FOR_DEEPSPEED
 from spikingsail.config.schema import SailConfig
 from spikingsail.cuda_arch_list import readable_setting, unreadable_cuda_archs
 from spikingsail.errors import BackendError, CheckpointError, first_line
@@ -94,11 +94,21 @@ def deepspeed_config(config: SailConfig) -> dict[str, Any]:
 
 class DeepSpeedBackend(ProcessGroupBackend):
     name = "deepspeed"
-    honoured_deepspeed_keys = INERT_DEEPSPEED_KEYS
+    reads_deepspeed_config = True
     max_zero_stage = 3
     honours_zero_options = True  # handed to DeepSpeed
     balances = False  # DeepSpeed's engine checks that every rank's micro-batch is the configured one
     checkpoint_format: ClassVar[str] = "deepspeed"
+
+    @classmethod
+    def library_keys(cls, config: SailConfig) -> frozenset[str] | None:
+        """What DeepSpeed's config class reads of the dict ``deepspeed.initialize`` will get, for
+        this world size; it checks all of it, SpikingSail's keys included."""
+        from spikingsail.backends import deepspeed_keys
+
+        if not deepspeed_keys.installed():
+            return None  # refused when the backend is chosen: DeepSpeed is not installed
+        return deepspeed_keys.read(deepspeed_config(config), config.world_size, config.source)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

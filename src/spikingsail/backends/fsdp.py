@@ -31,7 +31,6 @@ class FSDPBackend(ProcessGroupBackend):
     replica_groups = True
     """As HSDP: each group shards the model over its ranks; rank r of every group holds the same
     shards, and torchft all-reduces those across the groups, as HSDP's replicate dimension does."""
-    honoured_deepspeed_keys: ClassVar[frozenset[str]] = frozenset()
     max_zero_stage: ClassVar[int] = 3
     measures_balance = False  # its all-gathers in forward make a fast rank wait for a slow one
 

@@ -50,7 +50,7 @@ import sys
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -147,7 +147,6 @@ def import_horovod(where: str) -> Any:
 class HorovodBackend(Backend):
     name = "horovod"
     # DeepSpeed keys: none honoured. zero_optimization.stage > 0 is reported by initialize.
-    honoured_deepspeed_keys: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, config: SailConfig, rank_info: RankInfo) -> None:
         super().__init__(config, rank_info)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Protocol, Union, get_args, get_origin, get_type_hints
 
 from spikingsail.checks import FLOAT32_MAX, INT64_MAX, Range, check_number, reject_unknown
 from spikingsail.config.files import read_config
@@ -33,14 +33,15 @@ _BATCH_RANGE = Range(1, INT64_MAX, integer=True, why="batch sizes and steps are 
                      "by the accumulation steps as an int64")  # fmt: skip
 
 # DeepSpeed keys a DeepSpeed user's file may carry that SpikingSail accepts without acting on them
-# (unless a backend that honours them is chosen). They are reported, never silently dropped.
+# (unless a backend that honours them is chosen), where DeepSpeed is not installed to say which keys
+# it reads (``Library.keys``); those of DeepSpeed 0.19.8, the pinned version, less those it removed.
+# They are reported, never silently dropped.
 INERT_DEEPSPEED_KEYS = frozenset(
     {
         "wall_clock_breakdown",
         "memory_breakdown",
         "prescale_gradients",
         "gradient_predivide_factor",
-        "sparse_gradients",
         "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer",
         "communication_data_type",
@@ -54,13 +55,9 @@ INERT_DEEPSPEED_KEYS = frozenset(
         "flops_profiler",
         "activation_checkpointing",
         "aio",
-        "amp",
         "data_types",
-        "elasticity",
         "autotuning",
-        "compression_training",
         "data_efficiency",
-        "curriculum_learning",
         "pipeline",
         "disable_allgather",
         "steps_per_print_timers",
@@ -79,24 +76,40 @@ NOT_FOR_DEEPSPEED = frozenset(name for name, found in _SECTIONS.items() if not f
 _NO_SECTIONS: Mapping[str, type[Any]] = types.MappingProxyType({})
 
 
+class Library(Protocol):
+    """What the chosen backend (and the library it runs on) makes of a config; ``spikingsail.backends``
+    gives one for every registered backend."""
+
+    def data_parallel_size(self, backend: str, world_size: int, sections: dict[str, Any]) -> int:
+        """The data-parallel replicas ``world_size`` processes make (the batch sizes count those)."""
+
+    def validates(self, backend: str) -> bool:
+        """Whether the library reads the sections it shares with SpikingSail's table itself and checks
+        their keys SpikingSail does not read (SpikingSail then leaves those to it)."""
+
+    def keys(self, config: SailConfig) -> frozenset[str] | None:
+        """The top-level keys outside SpikingSail's table that the library reads, once it has checked
+        them; None where there is no library here to ask."""
+
+
 def load_config(
     source: str | Path | dict[str, Any] | None,
     world_size: int,
     backend_sections: Mapping[str, type[Any]] = _NO_SECTIONS,
-    data_parallel_size: Callable[[str, dict[str, Any]], int] | None = None,
+    library: Library | None = None,
 ) -> SailConfig:
     """Read, validate and resolve a config for ``world_size`` processes.
 
     ``backend_sections`` adds top-level sections owned by others (a backend's options: name → dataclass),
-    checked here like the table's own and handed back in ``SailConfig.backend_sections``.
-    ``data_parallel_size(backend, sections)`` says how many data-parallel replicas the processes
-    make under the chosen backend (all of them when not given): the batch sizes count those.
-    ``spikingsail.backends.load_config`` passes every registered backend's sections and sizes.
+    checked here like the table's own and handed back in ``SailConfig.backend_sections``. ``library``
+    says what the chosen backend's library reads and checks (DeepSpeed's keys, by DeepSpeed itself);
+    without one, the DeepSpeed keys in ``INERT_DEEPSPEED_KEYS`` are accepted. ``spikingsail.backends.load_config``
+    passes every registered backend's sections and the library.
     """
     raw, where = read_config(source)
-    reject_unknown(
-        raw, TOP_LEVEL_KEYS | backend_sections.keys() | INERT_DEEPSPEED_KEYS, where, "the top level"
-    )
+    raw = _auto(raw, where)
+    backend = _backend_named(raw)
+    checked_by_library = library is not None and library.validates(backend)
     for canonical in {found.field for found in _SECTIONS.values()}:
         spelled = [name for name, found in _SECTIONS.items() if found.field == canonical and name in raw]
         if len(spelled) > 1:
@@ -106,7 +119,7 @@ def load_config(
                 f"keep only '{canonical}'",
             )
     given = {
-        found.field: _build(found.cls, raw[name], where, name)
+        found.field: _build(found.cls, raw[name], where, name, lenient=checked_by_library and found.deepspeed)
         for name, found in _SECTIONS.items()
         if name in raw and found.field != "zero_optimization"  # DeepSpeed's rules: config.zero
     }
@@ -119,32 +132,77 @@ def load_config(
     sections = {
         name: _build(cls, raw[name], where, name) for name, cls in backend_sections.items() if name in raw
     }
-    if data_parallel_size is not None:
-        backend = given["sail"].backend if "sail" in given else SailSection().backend
-        world_size = data_parallel_size(backend, sections)
+    if library is not None:
+        world_size = library.data_parallel_size(backend, world_size, sections)
     micro, accum, total = _resolve_batch(raw, world_size, where)
     config = SailConfig(
         train_batch_size=total,
         train_micro_batch_size_per_gpu=micro,
         gradient_accumulation_steps=accum,
         world_size=world_size,
-        zero_optimization=build_zero(raw.get("zero_optimization", False), where),
-        inert_keys=tuple(sorted(k for k in raw if k in INERT_DEEPSPEED_KEYS)),
+        zero_optimization=build_zero(raw.get("zero_optimization", False), where, lenient=checked_by_library),
         backend_sections=sections,
         source=where,
         raw=raw,
         **given,
         **values,
     )
-    _check_semantics(config)
+    foreign = sorted(set(raw) - TOP_LEVEL_KEYS - sections.keys())
+    known = library.keys(config) if library is not None and (foreign or checked_by_library) else None
+    reject_unknown(raw, TOP_LEVEL_KEYS | backend_sections.keys() | (INERT_DEEPSPEED_KEYS if known is None else known),
+                   where, "the top level")  # fmt: skip
+    config = dataclasses.replace(config, inert_keys=tuple(foreign))
+    _check_semantics(config, checked_by_library)
     return config
 
 
-def _build(cls: type[Any], raw: Any, where: str, name: str) -> Any:
+# The sections DeepSpeed reads through its config models, which take "auto" as the field's default.
+_AUTO_IS_DEFAULT = frozenset({"fp16", "bf16", "bfloat16", "zero_optimization"})
+
+
+def _auto(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """``"auto"`` as DeepSpeed reads it: in the sections of its config models the field's default;
+    elsewhere (batch sizes, clipping, optimizer and scheduler parameters) a value the Hugging Face
+    Trainer fills in before DeepSpeed reads the file, which nothing fills here."""
+    out = dict(raw)
+    for name in _AUTO_IS_DEFAULT & raw.keys():
+        if isinstance(raw[name], dict):
+            out[name] = {key: value for key, value in raw[name].items() if value != "auto"}
+    placeholders = [key for key, value in raw.items() if value == "auto"] + [
+        f"{name}.params.{key}"
+        for name in ("optimizer", "scheduler")
+        if isinstance(raw.get(name), dict) and isinstance(raw[name].get("params"), dict)
+        for key, value in raw[name]["params"].items()
+        if value == "auto"
+    ]
+    if placeholders:
+        raise ConfigError(
+            f'{where}: {", ".join(placeholders)} {"is" if len(placeholders) == 1 else "are"} "auto"',
+            '"auto" is a placeholder that the Hugging Face Trainer\'s DeepSpeed integration fills in '
+            "before DeepSpeed reads the file; SpikingSail reads it as DeepSpeed's own launcher does, "
+            'where nothing fills it (DeepSpeed reads "auto" as the default only in fp16, bf16 and '
+            "zero_optimization)",
+            "give the value, or run the script under the Hugging Face Trainer, which fills it",
+        )
+    return out
+
+
+def _backend_named(raw: dict[str, Any]) -> str:
+    """``sail.backend`` as written (its section is checked with the others), else the default."""
+    sail = raw.get("sail")
+    name = sail.get("backend") if isinstance(sail, dict) else None
+    return name.lower() if isinstance(name, str) else SailSection().backend
+
+
+def _build(cls: type[Any], raw: Any, where: str, name: str, *, lenient: bool = False) -> Any:
+    """The section ``name`` as ``cls``; ``lenient``: the keys ``cls`` lacks are a library's, which
+    checked them (DeepSpeed's ``bf16.bf16_master_weights_and_grads``), not unknown."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: '{name}' must be an object", f"found {raw!r}")
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    if lenient:
+        raw = {key: value for key, value in raw.items() if key in fields}
     reject_unknown(raw, set(fields), where, f"'{name}'")
     missing = [
         n
@@ -326,8 +384,9 @@ def _show(given: dict[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in given.items())
 
 
-def _check_semantics(config: SailConfig) -> None:
-    """What one key's type and range cannot say: names, paths, and keys that must agree."""
+def _check_semantics(config: SailConfig, checked_by_library: bool) -> None:
+    """What one key's type and range cannot say: names, paths, and keys that must agree. The
+    optimizer and scheduler sections are the library's where it builds them (DeepSpeed's Lamb)."""
     where = config.source
     if config.fp16.enabled and config.bf16.enabled:
         raise ConfigError(
@@ -335,9 +394,9 @@ def _check_semantics(config: SailConfig) -> None:
             "a run uses one mixed-precision mode",
             "keep bf16 on GPUs that support it (A100, H100), fp16 otherwise (V100)",
         )
-    if config.optimizer is not None:
+    if config.optimizer is not None and not checked_by_library:
         resolve_optimizer(config.optimizer, where)
-    if config.scheduler is not None:
+    if config.scheduler is not None and not checked_by_library:
         check_scheduler(config.scheduler, where)
     _check_paths(config)
     if isinstance(config.sail.balance, tuple):

@@ -1,8 +1,9 @@
 """DeepSpeed's ``zero_optimization`` section: the keys it takes and the values each may have.
 
-The DDP and FSDP backends read only ``stage``; the DeepSpeed backend hands the rest to DeepSpeed.
-Every value is checked here anyway, with DeepSpeed's types and bounds, so that a file that would
-fail inside ``deepspeed.initialize`` fails before any process group exists, naming the key.
+The DDP and FSDP backends read only ``stage``, and warn that the other keys have no effect; every
+value is checked here anyway, with DeepSpeed's types and bounds, so that a file that would fail
+under DeepSpeed fails here too, naming the key. The DeepSpeed backend hands the rest to DeepSpeed,
+whose own config class checks it before any process group exists (``backends/deepspeed_keys.py``).
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ def offloads(options: dict[str, Any]) -> dict[str, Any]:
     return asked | {key: True for key in ("cpu_offload", "cpu_offload_params") if options.get(key)}
 
 
-def build_zero(raw: Any, where: str) -> ZeroConfig:
-    """The section as a ``ZeroConfig``; DeepSpeed's legacy boolean form (true = stage 1) is accepted."""
+def build_zero(raw: Any, where: str, *, lenient: bool = False) -> ZeroConfig:
+    """The section as a ``ZeroConfig``; DeepSpeed's legacy boolean form (true = stage 1) is accepted.
+    ``lenient``: DeepSpeed checks the keys besides ``stage`` itself (the deepspeed backend)."""
     if isinstance(raw, bool):
         return ZeroConfig(stage=1 if raw else 0)
     if not isinstance(raw, dict):
@@ -88,7 +90,8 @@ def build_zero(raw: Any, where: str) -> ZeroConfig:
             f"found {raw!r}",
             'write e.g. "zero_optimization": {"stage": 1}',
         )
-    _check_keys(raw, ZERO_KEYS, where, "zero_optimization")
+    if not lenient:
+        _check_keys(raw, ZERO_KEYS, where, "zero_optimization")
     stage = int(check_number(raw.get("stage", 0), _STAGE, "zero_optimization.stage", where))
     return ZeroConfig(stage=stage, options={k: v for k, v in raw.items() if k != "stage"})
 

@@ -221,7 +221,7 @@ def _config_from_args(args: argparse.Namespace | None, config: ConfigSource) -> 
 
 
 def _report_unused(config: SailConfig, backend: type[Backend]) -> None:
-    unused = [key for key in config.inert_keys if key not in backend.honoured_deepspeed_keys]
+    unused = [] if backend.reads_deepspeed_config else list(config.inert_keys)
     if not backend.honours_zero_options:
         unused += [f"zero_optimization.{key}" for key in config.zero_optimization.options]
     for key in unused:

@@ -1,9 +1,9 @@
-"""Where ``sail launch`` reads a peer's file or flag differently from the peer, on purpose.
+"""Where SpikingSail reads a peer's file or flag differently from the peer, on purpose.
 
-Everything else it reads as the peer does: the differential tests (``tests/launchers/``) hand the
-same generated hostfiles, filters and host lists to the peer's own code and to SpikingSail's, and a
-difference fails them unless it is one of these. The from-DeepSpeed and from-Horovod pages show
-this list as a table.
+Everything else it reads as the peer does: the differential tests (``tests/launchers/test_peer_*``,
+``tests/config/test_peer_deepspeed.py``) hand the same generated hostfiles, filters, host lists and
+configs to the peer's own code and to SpikingSail's, and a difference fails them unless it is one of
+these. The from-DeepSpeed and from-Horovod pages show this list as a table.
 """
 
 from __future__ import annotations
@@ -66,6 +66,21 @@ DEVIATIONS: dict[str, Deviation] = {
         "refuses, naming the line",
         "a name starting with `-` reaches ssh and pdsh as an option (one that runs a command); give the "
         "user with `--ssh-user`",
+    ),
+    "config-auto": Deviation(
+        "DeepSpeed", '`"auto"` for a batch size, `gradient_clipping`, or an optimizer or scheduler parameter',
+        "accepts the file and fails once training starts (the Hugging Face Trainer fills these in first)",
+        "refuses before any process starts, naming the keys and the Trainer",
+        'nothing fills the placeholder outside the Trainer; `"auto"` in `fp16`, `bf16` and '
+        "`zero_optimization` is read as DeepSpeed reads it, as the default",
+    ),
+    "config-typed-keys": Deviation(
+        "DeepSpeed", "a value of a key SpikingSail reads too (batch sizes, `fp16`/`bf16.enabled` and the loss "
+        "scale, `gradient_clipping`, `zero_optimization.stage`) of the wrong type or range (`\"stage\": \"2\"`, "
+        "a negative clipping)",
+        "casts it or fails later",
+        "refuses, naming the key and the values it takes",
+        "the same file runs on every backend, and each reads these keys",
     ),
     "filter-nothing-left": Deviation(
         "DeepSpeed", "`--include`/`--exclude` that leave no host",

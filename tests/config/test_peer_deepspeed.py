@@ -1,0 +1,124 @@
+"""DeepSpeed configs as the installed DeepSpeed reads them: the same files handed to DeepSpeed's own
+config class (``DeepSpeedConfig``, for the job's world size) and to SpikingSail's loader under the
+deepspeed backend accept and refuse alike, but for the documented deviations
+(``spikingsail.launchers.deviations``); under the other backends a key DeepSpeed removed is refused
+with DeepSpeed's own reason, and one it reads is accepted and named as having no effect there."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import pytest
+from deepspeed.runtime import config as ds_config
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from spikingsail.backends import load_config
+from spikingsail.errors import ConfigError
+from spikingsail.launchers.deviations import DEVIATIONS
+
+WORLD = 2
+DEEPSPEED = {"sail": {"backend": "deepspeed"}}
+
+# Keys of real DeepSpeed 0.19.8 files that SpikingSail refused before it asked DeepSpeed.
+REAL = {
+    "compile": {"compile": {"deepcompile": False}},
+    "tensor_parallel": {"tensor_parallel": {"autotp_size": 1}},
+    "torch_autocast": {"torch_autocast": {"enabled": False}},
+    "sequence_parallel_size": {"sequence_parallel_size": 1},
+    "zenflow": {"zero_optimization": {"stage": 2, "zenflow": None}},
+    "bf16 master weights": {
+        "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+        "zero_optimization": {"stage": 2},
+    },
+    "bf16 optimizer states": {"bf16": {"enabled": True, "bf16_optimizer_states": False}},
+    "gradient_allreduce_op": {"gradient_allreduce_op": "mean"},
+    "Lamb": {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "max_coeff": 0.3, "min_coeff": 0.01}}},
+    "Adam bias_correction": {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "bias_correction": False}}},
+    "auto in fp16 and zero": {
+        "fp16": {"enabled": "auto", "loss_scale": 0},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+    },
+}
+
+
+def deepspeed_accepts(raw: dict[str, Any]) -> bool:
+    """Whether DeepSpeed's config class, for a job of WORLD processes, takes the dict."""
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    saved = ds_config.dist.get_rank, ds_config.dist.get_world_size
+    ds_config.dist.get_rank, ds_config.dist.get_world_size = (lambda *a, **k: 0), (lambda *a, **k: WORLD)
+    try:
+        ds_config.DeepSpeedConfig(copy.deepcopy({k: v for k, v in raw.items() if k != "sail"}))
+    except Exception:  # DeepSpeedConfigError, ValueError, AssertionError, pydantic's ValidationError, ...
+        return False
+    finally:
+        ds_config.dist.get_rank, ds_config.dist.get_world_size = saved
+    return True
+
+
+def sail_accepts(raw: dict[str, Any]) -> bool:
+    try:
+        load_config(copy.deepcopy(raw), WORLD)
+    except ConfigError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", list(REAL))
+def test_real_deepspeed_keys_run_under_the_deepspeed_backend(name: str) -> None:
+    raw = {"train_batch_size": 8, **REAL[name], **DEEPSPEED}
+    assert deepspeed_accepts(raw)
+    assert sail_accepts(raw), name
+
+
+# (fragment, the deviations that may make SpikingSail's answer differ from DeepSpeed's)
+fragments = st.sampled_from([
+    ({}, ()),
+    *(({**fragment}, ()) for fragment in REAL.values()),
+    ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9}}, ()),
+    ({"zero_optimization": {"stage": 2, "stagee": 1}}, ()),  # a typo: DeepSpeed's model refuses it
+    ({"zero_optimization": {"stage": 2, "mics_shard_size": 2}}, ()),  # removed in 0.19.8
+    ({"amp": {"enabled": True}}, ()),  # removed
+    ({"wall_clock_breakdown": True, "tensorboard": {"enabled": False}}, ()),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, ()),  # both refuse two precisions
+    ({"gradient_clipping": "auto"}, ("config-auto",)),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, ("config-auto",)),
+    ({"zero_optimization": {"stage": "2"}}, ("config-typed-keys",)),
+    ({"gradient_clipping": -1.0}, ("config-typed-keys",)),
+    ({"train_micro_batch_size_per_gpu": 3}, ()),  # 8 is not 3 × accumulation × 2: both refuse
+])  # fmt: skip
+
+
+@given(parts=st.lists(fragments, min_size=1, max_size=3))
+@example(parts=[({"compile": {"deepcompile": False}}, ()), ({"amp": {"enabled": True}}, ())])
+@settings(max_examples=60, deadline=None)
+def test_configs_load_where_deepspeeds_config_class_takes_them(
+    parts: list[tuple[dict[str, Any], tuple[str, ...]]],
+) -> None:
+    raw: dict[str, Any] = {"train_batch_size": 8}
+    for fragment, _ in parts:
+        raw.update(copy.deepcopy(fragment))
+    raw.update(DEEPSPEED)
+    allowed = {why for _, whys in parts for why in whys}
+    assert allowed <= DEVIATIONS.keys()
+    if sail_accepts(raw) != deepspeed_accepts(raw):
+        assert allowed, (
+            f"{raw}: DeepSpeed {deepspeed_accepts(raw)}, SpikingSail {sail_accepts(raw)}, undocumented"
+        )
+
+
+@pytest.mark.parametrize("key", sorted(ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS))
+def test_a_key_deepspeed_removed_is_refused_with_its_reason_under_every_backend(key: str) -> None:
+    for backend in ("ddp", "deepspeed"):
+        with pytest.raises(ConfigError) as err:
+            load_config({"train_batch_size": 8, key: {}, "sail": {"backend": backend}}, WORLD)
+        assert " ".join(ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS[key].split()) in str(err.value)
+
+
+def test_under_ddp_a_key_deepspeed_reads_is_accepted_and_a_typo_is_not() -> None:
+    config = load_config({"train_batch_size": 8, "tensorboard": {"enabled": False}}, WORLD)
+    assert config.inert_keys == ("tensorboard",)  # named in the engine's warning: no effect with ddp
+    with pytest.raises(ConfigError, match="did you mean 'compile'"):
+        load_config({"train_batch_size": 8, "compiel": {}}, WORLD)

@@ -186,19 +186,64 @@ def test_a_save_inside_an_accumulation_window_is_refused_before_writing(tmp_path
     assert message.endswith("| written: []")
 
 
-def bad_key() -> str:
-    # in range for the config check, refused by DeepSpeed itself (it removed MiCS sharding)
+def removed_key() -> str:
+    # in range for SpikingSail's own check of zero_optimization; DeepSpeed 0.19.8 removed MiCS sharding
     cfg = config("deepspeed", 2)
     cfg["zero_optimization"]["mics_shard_size"] = 2
     return error_of(train, cfg)
 
 
-def test_a_value_deepspeed_rejects_names_the_config_and_the_key() -> None:
-    message = run_ranks(bad_key, 1)[0]
-    assert message.startswith(
+def unknown_optimizer() -> str:
+    # DeepSpeed's config class takes any optimizer name; deepspeed.initialize builds it
+    return error_of(train, config("deepspeed", 2, optimizer={"type": "NoSuchOptimizer", "params": {"lr": 0.1}}),
+                    None, None, False, False)  # fmt: skip
+
+
+def test_a_key_deepspeed_refuses_is_named_before_any_process_group_and_initializes_refusal_after() -> None:
+    removed = run_ranks(removed_key, 1)[0]
+    assert removed.startswith("ConfigError: <dict>: DeepSpeed 0.19.8 refuses the config")
+    assert "mics_shard_size" in removed
+    refused = run_ranks(unknown_optimizer, 1)[0]
+    assert refused.startswith(
         "BackendError: <dict>: deepspeed.initialize refused the model, optimizer or config"
     )
-    assert "mics_shard_size" in message
+    assert "nosuchoptimizer" in refused.lower()
+
+
+# A Transformers-style ZeRO-2 file, as people write them for DeepSpeed: hjson comments and "auto"
+# where DeepSpeed reads it as the default (fp16, bf16, zero_optimization); the numbers the Trainer
+# would fill in are given, as with DeepSpeed's own launcher.
+TRANSFORMERS_STYLE = """{
+  // mixed precision: "auto" is DeepSpeed's default (off)
+  "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+           "hysteresis": 2, "min_loss_scale": 1},
+  "bf16": {"enabled": "auto"},
+  "zero_optimization": {
+    "stage": 2,
+    "offload_optimizer": {"device": "none", "pin_memory": true},
+    "allgather_partitions": true, "allgather_bucket_size": 2e8, "overlap_comm": true,
+    "reduce_scatter": true, "reduce_bucket_size": "auto", "contiguous_gradients": true,
+  },
+  "gradient_accumulation_steps": 2,
+  "gradient_clipping": 0.5,
+  "steps_per_print": 2000,
+  "train_micro_batch_size_per_gpu": 4,
+  "wall_clock_breakdown": false,
+  "sail": {"backend": "deepspeed", "seed": 4, "progress_bar": false},
+}
+"""
+
+
+def test_a_transformers_style_file_runs_unchanged_and_trains_like_ddp(
+    ddp: dict[int, Any], tmp_path: Path
+) -> None:
+    path = tmp_path / "ds_config_zero2.json"
+    path.write_text(TRANSFORMERS_STYLE)
+    ds = run_ranks(train, 2, str(path))
+    for rank in (0, 1):
+        assert ds[rank]["steps"] == ddp[rank]["steps"]
+        for key, value in ddp[rank]["params"].items():
+            torch.testing.assert_close(ds[rank]["params"][key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_without_deepspeed_installed_the_error_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

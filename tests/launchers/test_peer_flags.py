@@ -25,6 +25,11 @@ def test_deepspeeds_short_flags_and_aliases(job: Path, argv: list[str], nodes: l
     assert parse_request(["-H", "hostfile", *argv, "train.py"]).nodes == nodes
 
 
+def test_deepspeeds_ssh_port_spelling(job: Path) -> None:
+    command = plan(parse_request(["-H", "hostfile", "--ssh_port", "222", "train.py"]))[0]
+    assert command.argv[command.argv.index("-p") + 1] == "222"
+
+
 def test_launcher_args_starting_with_a_dash_reach_the_launcher_and_the_scripts_own_stay(job: Path) -> None:
     """DeepSpeed's `--launcher_args '-mca btl_tcp_if_include eth1'`: argparse alone reads `-mca` as
     torchrun's `-m`. The script's own arguments of that name reach it as written."""

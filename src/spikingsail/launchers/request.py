@@ -102,7 +102,13 @@ def parser() -> argparse.ArgumentParser:
         choices=LAUNCHER_NAMES,
         help="how to start the per-node agents or processes (default: ssh)",
     )
-    own.add_argument("--ssh-port", type=int, help="ssh port of the hosts (1 to 65535, e.g. 222)")
+    own.add_argument(
+        "--ssh-port",
+        "--ssh_port",
+        dest="ssh_port",
+        type=int,
+        help="ssh port of the hosts (1 to 65535, e.g. 222)",
+    )
     own.add_argument("--ssh-user", help="remote user name")
     own.add_argument("--ssh-config", help="ssh client config file (ssh -F)")
     own.add_argument(

@@ -212,12 +212,17 @@ def test_deepspeed_keys_without_effect_warn(caplog: pytest.LogCaptureFixture) ->
         caplog.clear()
         with caplog.at_level(logging.WARNING):
             _report_unused(config, backend_class(name))
-        for key in ("wall_clock_breakdown", "zero_optimization.overlap_comm", "zero_optimization.reduce_bucket_size",
+        for key in ("zero_optimization.overlap_comm", "zero_optimization.reduce_bucket_size",
                     "zero_optimization.offload_param"):  # fmt: skip
             assert (
                 f"'{key}' is accepted for DeepSpeed compatibility but has no effect with backend {name} "
                 '(it takes effect with "sail": {"backend": "deepspeed"}; remove it to silence this)'
             ) in caplog.text
+        assert (  # and what does it on every backend
+            f"'wall_clock_breakdown' is accepted for DeepSpeed compatibility but has no effect with backend {name} "
+            '(it takes effect with "sail": {"backend": "deepspeed"}; on any backend: sail.straggler_window: '
+            "each rank's data, forward, backward and step times; remove it to silence this)"
+        ) in caplog.text
         assert "stage" not in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):

@@ -220,17 +220,31 @@ def _config_from_args(args: argparse.Namespace | None, config: ConfigSource) -> 
     return config
 
 
+# What SpikingSail offers on every backend for what some DeepSpeed keys do, named in their warning.
+_INSTEAD = {
+    "tensorboard": 'sail.trackers ["tensorboard"]',
+    "wandb": 'sail.trackers ["wandb"]',
+    "comet": "sail.trackers (tensorboard, mlflow, wandb)",
+    "csv_monitor": "sail.metrics_path, a JSON-lines file of every step",
+    "wall_clock_breakdown": "sail.straggler_window: each rank's data, forward, backward and step times",
+    "flops_profiler": "torch.profiler around a few steps",
+    "activation_checkpointing": "torch.utils.checkpoint in the model (snn.time_chunk for spiking networks)",
+}
+
+
 def _report_unused(config: SailConfig, backend: type[Backend]) -> None:
     unused = [] if backend.reads_deepspeed_config else list(config.inert_keys)
     if not backend.honours_zero_options:
         unused += [f"zero_optimization.{key}" for key in config.zero_optimization.options]
     for key in unused:
+        instead = f"; on any backend: {_INSTEAD[key]}" if key in _INSTEAD else ""
         log.warning(
             "%s: '%s' is accepted for DeepSpeed compatibility but has no effect with backend %s "
-            '(it takes effect with "sail": {"backend": "deepspeed"}; remove it to silence this)',
+            '(it takes effect with "sail": {"backend": "deepspeed"}%s; remove it to silence this)',
             config.source,
             key,
             backend.name,
+            instead,
         )
 
 

@@ -180,7 +180,8 @@ def _auto(raw: dict[str, Any], where: str) -> dict[str, Any]:
             f'{where}: {", ".join(placeholders)} {"is" if len(placeholders) == 1 else "are"} "auto"',
             '"auto" is a placeholder that the Hugging Face Trainer\'s DeepSpeed integration fills in '
             "before DeepSpeed reads the file; SpikingSail reads it as DeepSpeed's own launcher does, "
-            'where nothing fills it (DeepSpeed reads "auto" as the default only in fp16, bf16 and '
+            "where nothing fills it (DeepSpeed itself would fail on it: at once for a batch size, once "
+            'training starts for the others; it reads "auto" as the default only in fp16, bf16 and '
             "zero_optimization)",
             "give the value, or run the script under the Hugging Face Trainer, which fills it",
         )

@@ -69,7 +69,8 @@ DEVIATIONS: dict[str, Deviation] = {
     ),
     "config-auto": Deviation(
         "DeepSpeed", '`"auto"` for a batch size, `gradient_clipping`, or an optimizer or scheduler parameter',
-        "accepts the file and fails once training starts (the Hugging Face Trainer fills these in first)",
+        "fails on it: at once for a batch size, once training starts for the others (the Hugging Face "
+        "Trainer fills these in first)",
         "refuses before any process starts, naming the keys and the Trainer",
         'nothing fills the placeholder outside the Trainer; `"auto"` in `fp16`, `bf16` and '
         "`zero_optimization` is read as DeepSpeed reads it, as the default",

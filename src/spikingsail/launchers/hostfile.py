@@ -79,15 +79,16 @@ def parse_hostfile(path: str | Path, default_slots: int | None = None) -> list[N
                 "merge the two lines",
             )
         seen[host] = number
-        slots = _slot_count(match["slots"] if match else None, default_slots, where)
+        slots = _slot_count(match["slots"] if match else None, default_slots, where, _DEEPSPEED_READS)
         if (
             match
             and match["most"] is not None
-            and _slot_count(match["most"], None, f"{where}: max_slots") < slots
+            and _slot_count(match["most"], None, f"{where}: max_slots", _DEEPSPEED_READS) < slots
         ):
             raise LaunchError(
                 f"{where}: max_slots {match['most']} is below slots {match['slots']}",
-                "Open MPI refuses a host whose max_slots is below its slots",
+                "Open MPI refuses a host whose max_slots is below its slots (DeepSpeed's launcher would "
+                "read slots and ignore max_slots)",
                 "raise max_slots, or lower slots",
             )
         nodes.append(Node(host=host, slots=tuple(range(slots))))
@@ -114,11 +115,21 @@ def check_host(host: str, where: str) -> str:
     if host.startswith("-"):
         why = "a name starting with '-' would reach ssh, pdsh and mpirun as an option, not as a host"
     else:
-        why = "a host name has only letters, digits, '.', '-' and '_'"
+        why = "a host name has only letters, digits, '.', '-' and '_' (a user goes in --ssh-user)"
+    why += "; DeepSpeed's launcher and horovodrun would hand it to ssh as it is"
     raise LaunchError(f"{where}: {host!r} is not a host name", why, "write the node's host name or address")
 
 
-def _slot_count(value: str | None, default: int | None, where: str) -> int:
+_DEEPSPEED_READS = (
+    "DeepSpeed's launcher would read the leading digits, and list a host of slots=0 with nothing to run"
+)
+_HOROVODRUN_READS = (
+    "horovodrun would read it with Python's int, and list a host of 0 slots with nothing to run"
+)
+
+
+def _slot_count(value: str | None, default: int | None, where: str, peer: str = _DEEPSPEED_READS) -> int:
+    """A slot count; ``peer``: what the peer whose file or flag it is would have made of a bad one."""
     if value is None:
         if default is None:
             raise LaunchError(
@@ -132,8 +143,7 @@ def _slot_count(value: str | None, default: int | None, where: str) -> int:
     if not _COUNT.fullmatch(value) or not 1 <= int(value) <= MAX_SLOTS:
         raise LaunchError(
             f"{where}: slot count {value[:40]!r} is not an integer from 1 to {MAX_SLOTS}",
-            "a node runs one process per slot (DeepSpeed's launcher would read the leading digits, "
-            "and list a host of slots=0 with nothing to run)",
+            f"a node runs one process per slot ({peer})",
             "write e.g. 'slots=4', or leave the host out",
         )
     return int(value)
@@ -159,7 +169,10 @@ def parse_host_list(spec: str) -> list[Node]:
                 "give the host once, with all its slots",
             )
         nodes.append(
-            Node(host=host, slots=tuple(range(_slot_count(count.strip(), None, f"{where}, {item!r}"))))
+            Node(
+                host=host,
+                slots=tuple(range(_slot_count(count.strip(), None, f"{where}, {item!r}", _HOROVODRUN_READS))),
+            )
         )
     return nodes
 
@@ -174,7 +187,8 @@ def _parse_filter(spec: str, flag: str) -> dict[str, tuple[int, ...]]:
         if not host or (colon and not all(_COUNT.fullmatch(s.strip()) for s in slots.split(","))):
             raise LaunchError(
                 f"{flag} {spec!r}: cannot read {part!r}",
-                f"{flag} takes HOST[:SLOT,SLOT...] entries joined by '@', as DeepSpeed's launcher does",
+                f"{flag} takes HOST[:SLOT,SLOT...] entries joined by '@', as DeepSpeed's launcher does "
+                "(which would read a slot such as +1 with Python's int)",
                 f"write e.g. {flag} 'node1:0,1@node2'",
             )
         out.setdefault(host, set()).update(int(s) for s in slots.split(",") if colon)
@@ -219,7 +233,11 @@ def select_nodes(
             )
         nodes = [Node(host=n.host, slots=n.slots[:num_gpus]) for n in nodes]
     if not nodes:
-        raise LaunchError("no node is left after --include / --exclude", fix="check the filters")
+        raise LaunchError(
+            "no node is left after --include / --exclude",
+            "nothing would run (DeepSpeed's launcher would go on with no host and fail later)",
+            "check the filters",
+        )
     return nodes
 
 

@@ -201,8 +201,10 @@ def unknown_optimizer() -> str:
 
 def test_a_key_deepspeed_refuses_is_named_before_any_process_group_and_initializes_refusal_after() -> None:
     removed = run_ranks(removed_key, 1)[0]
-    assert removed.startswith("ConfigError: <dict>: DeepSpeed 0.19.8 refuses the config")
-    assert "mics_shard_size" in removed
+    assert removed.startswith(
+        "ConfigError: <dict>: DeepSpeed 0.19.8 refuses zero_optimization.mics_shard_size"
+    )
+    assert "MiCS ZeRO-3 sharding has been removed" in removed
     refused = run_ranks(unknown_optimizer, 1)[0]
     assert refused.startswith(
         "BackendError: <dict>: deepspeed.initialize refused the model, optimizer or config"

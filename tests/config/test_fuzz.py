@@ -118,7 +118,7 @@ EVERY_SECTION: dict[str, Any] = {
         "offload_optimizer": {**OFFLOAD, "pipeline_read": False, "ratio": 1.0, "cpuadam_cores_perc": 0.8},
         "offload_param": {**OFFLOAD, "buffer_size": 100000000, "max_in_cpu": 1000000000},
         "sub_group_size": 1000000000, "stage3_max_live_parameters": 1000000000,
-        "stage3_param_persistence_threshold": 100000, "mics_shard_size": -1,
+        "stage3_param_persistence_threshold": 100000,
         "stage3_gather_16bit_weights_on_model_save": False,
     },
     "checkpoint": {"path": "/tmp/sail-fuzz-never-written", "interval_steps": 10, "interval_seconds": 60.0,
@@ -215,7 +215,12 @@ def prepare_and_step(raw: dict[str, Any]) -> None:
     if backend.name == "horovod":
         horovod_options(config)
     model = torch.nn.Linear(2, 1)
-    SpikingSupport.for_model(config.snn, model, config.source)
+    checked: torch.nn.Module = model
+    if config.snn.enabled:  # for a model of spiking neurons: SpikingSupport refuses another, naming it
+        from spikingjelly.activation_based import neuron
+
+        checked = torch.nn.Sequential(model, neuron.IFNode(step_mode=config.snn.step_mode))
+    SpikingSupport.for_model(config.snn, checked, config.source)
     with rng_kept():
         if config.sail.seed is not None:
             seed_everything(config.sail.seed)

@@ -58,8 +58,8 @@ class _Library:
             else world_size
         )
 
-    def validates(self, backend: str) -> bool:
-        return backend in _REGISTRY and backend_class(backend).reads_deepspeed_config
+    def checks(self, backend: str) -> frozenset[str]:
+        return backend_class(backend).checked_by_deepspeed() if backend in _REGISTRY else frozenset()
 
     def keys(self, config: SailConfig) -> frozenset[str] | None:
         backend = config.sail.backend.lower()

@@ -68,6 +68,12 @@ class Backend(ABC):
         return None
 
     @classmethod
+    def checked_by_deepspeed(cls) -> frozenset[str]:
+        """The sections of SpikingSail's table whose keys it does not read DeepSpeed checks itself
+        (``library_keys``); this backend's are checked by SpikingSail (``config/zero.py``)."""
+        return frozenset()
+
+    @classmethod
     def library_keys(cls, config: SailConfig) -> frozenset[str] | None:
         """The top-level keys of the user's file outside SpikingSail's table that the installed
         DeepSpeed reads, asked of DeepSpeed itself (which refuses the keys it removed); None where
@@ -75,16 +81,15 @@ class Backend(ABC):
         from spikingsail.backends import deepspeed_keys
         from spikingsail.config.parse import TOP_LEVEL_KEYS
 
-        foreign = {
-            k: v
-            for k, v in config.raw.items()
-            if k not in TOP_LEVEL_KEYS and k not in config.backend_sections
+        raw = config.raw
+        handed = {
+            k: v for k, v in raw.items() if k not in TOP_LEVEL_KEYS and k not in config.backend_sections
         }
-        if not foreign:
+        if not handed:
             return frozenset()
         if not deepspeed_keys.installed():
             return None
-        return deepspeed_keys.read({**foreign, "train_micro_batch_size_per_gpu": 1}, 1, config.source)
+        return deepspeed_keys.read({**handed, "train_micro_batch_size_per_gpu": 1}, 1, config.source)
 
     @classmethod
     def data_parallel_size(cls, world_size: int, sections: dict[str, Any]) -> int:

@@ -32,7 +32,7 @@ from spikingsail.backends.process_group import (
     rendezvous_store,
 )
 from spikingsail.checkpoint.deepspeed_format import STATE_TAG, safe_torch_load
-from spikingsail.config.parse import NOT_FOR_DEEPSPEED
+from spikingsail.config.parse import FOR_DEEPSPEED, NOT_FOR_DEEPSPEED
 from spikingsail.config.schema import SailConfig
 from spikingsail.cuda_arch_list import readable_setting, unreadable_cuda_archs
 from spikingsail.errors import BackendError, CheckpointError, first_line
@@ -99,6 +99,11 @@ class DeepSpeedBackend(ProcessGroupBackend):
     honours_zero_options = True  # handed to DeepSpeed
     balances = False  # DeepSpeed's engine checks that every rank's micro-batch is the configured one
     checkpoint_format: ClassVar[str] = "deepspeed"
+
+    @classmethod
+    def checked_by_deepspeed(cls) -> frozenset[str]:
+        """Every section DeepSpeed reads: its own optimizers (Lamb), ZenFlow, bf16 master weights."""
+        return FOR_DEEPSPEED
 
     @classmethod
     def library_keys(cls, config: SailConfig) -> frozenset[str] | None:

@@ -9,6 +9,7 @@ upgrade changes what is accepted.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import logging
 from collections.abc import Iterator, KeysView, Mapping
@@ -24,21 +25,55 @@ def installed() -> bool:
 def read(handed: Mapping[str, Any], world_size: int, where: str) -> frozenset[str]:
     """The top-level keys DeepSpeed's config class looks up while it reads ``handed`` for a job of
     ``world_size`` data-parallel processes (those it knows); its refusal as a ``ConfigError`` naming
-    ``where``."""
+    ``where`` and the key it refuses."""
     import deepspeed
-    from deepspeed.runtime import config as ds_config
 
     seen: set[str] = set()
     try:
-        with _world(ds_config.dist, world_size), _quiet(ds_config.logger):
-            ds_config.DeepSpeedConfig(_Recording(handed, seen))
+        _build(_Recording(handed, seen), world_size)
     except Exception as err:  # DeepSpeed refuses with DeepSpeedConfigError, ValueError, pydantic's errors...
+        culprit = _culprit(dict(handed), world_size)
         raise ConfigError(
-            f"{where}: DeepSpeed {deepspeed.__version__} refuses the config",
-            _reason(err),
+            f"{where}: DeepSpeed {deepspeed.__version__} refuses "
+            + (f"{'.'.join(culprit)}" if culprit else "the config"),
+            _reason(err, handed),
             "fix what it names, as for DeepSpeed's own launcher (or remove the key)",
         ) from None
     return frozenset(seen)
+
+
+def _build(config: dict[str, Any], world_size: int) -> None:
+    from deepspeed.runtime import config as ds_config
+
+    with _world(ds_config.dist, world_size), _quiet(ds_config.logger):
+        ds_config.DeepSpeedConfig(config)
+
+
+def _culprit(handed: dict[str, Any], world_size: int) -> tuple[str, ...] | None:
+    """The deepest key of ``handed`` whose removal alone makes DeepSpeed take it: what a refusal
+    that names no key (a model's own check: "Partial offloading only supported for ZeRO Stage 3")
+    is about."""
+
+    def takes(path: tuple[str, ...]) -> bool:
+        trial = copy.deepcopy(handed)
+        holder = trial
+        for key in path[:-1]:
+            holder = holder[key]
+        del holder[path[-1]]
+        try:
+            _build(trial, world_size)
+        except Exception:
+            return False
+        return True
+
+    def search(tree: dict[str, Any], path: tuple[str, ...]) -> tuple[str, ...] | None:
+        for key, value in tree.items():
+            if isinstance(key, str) and takes((*path, key)):
+                deeper = search(value, (*path, key)) if isinstance(value, dict) else None
+                return deeper or (*path, key)
+        return None
+
+    return search(handed, ())
 
 
 class _Recording(dict[str, Any]):
@@ -98,13 +133,31 @@ def _quiet(logger: Any) -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _reason(err: BaseException) -> str:
+def _reason(err: BaseException, handed: Mapping[str, Any]) -> str:
     errors = getattr(err, "errors", None)
-    if callable(errors):  # pydantic: each field's path and message
+    if callable(errors):  # pydantic: each field's path in its model, and its message
         with contextlib.suppress(Exception):
             model = getattr(err, "title", "the config")
             return f"{model}: " + "; ".join(
-                f"{'.'.join(map(str, e['loc']))}: {e['msg']} (found {e.get('input')!r})" for e in errors()
+                f"{_path(handed, e['loc'])}: {e['msg']} (found {_short(e.get('input'))})"
+                if e["loc"]
+                else e["msg"]
+                for e in errors()
             )
     text = " ".join(str(err).split())  # DeepSpeed's own messages run over lines, with what to do
     return f"{type(err).__name__}: {text[:800] or type(err).__name__}"
+
+
+def _path(handed: Mapping[str, Any], loc: tuple[Any, ...]) -> str:
+    """A field's path in the config: its path in DeepSpeed's model, under the one section that has
+    its first key (``zero_optimization.stagee``)."""
+    inner = ".".join(map(str, loc))
+    holders = [
+        name for name, section in handed.items() if isinstance(section, dict) and loc and loc[0] in section
+    ]
+    return f"{holders[0]}.{inner}" if len(holders) == 1 else inner
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -71,6 +71,8 @@ _SECTIONS = sections()
 _SCALARS = scalars()
 TOP_LEVEL_KEYS = frozenset({*BATCH_KEYS, *_SECTIONS, *_SCALARS})
 NOT_FOR_DEEPSPEED = frozenset(name for name, found in _SECTIONS.items() if not found.deepspeed)
+FOR_DEEPSPEED = frozenset(_SECTIONS) - NOT_FOR_DEEPSPEED
+"""The table's sections DeepSpeed reads too (fp16, bf16, zero_optimization, optimizer, scheduler)."""
 """The table's sections the deepspeed backend leaves out of what it hands ``deepspeed.initialize``
 (with every backend's own section: DeepSpeed reads none of them)."""
 _NO_SECTIONS: Mapping[str, type[Any]] = types.MappingProxyType({})
@@ -83,9 +85,9 @@ class Library(Protocol):
     def data_parallel_size(self, backend: str, world_size: int, sections: dict[str, Any]) -> int:
         """The data-parallel replicas ``world_size`` processes make (the batch sizes count those)."""
 
-    def validates(self, backend: str) -> bool:
-        """Whether the library reads the sections it shares with SpikingSail's table itself and checks
-        their keys SpikingSail does not read (SpikingSail then leaves those to it)."""
+    def checks(self, backend: str) -> frozenset[str]:
+        """The sections shared with SpikingSail's table whose keys SpikingSail does not read the
+        library checks itself (SpikingSail then leaves those to it, in ``keys``)."""
 
     def keys(self, config: SailConfig) -> frozenset[str] | None:
         """The top-level keys outside SpikingSail's table that the library reads, once it has checked
@@ -109,7 +111,7 @@ def load_config(
     raw, where = read_config(source)
     raw = _auto(raw, where)
     backend = _backend_named(raw)
-    checked_by_library = library is not None and library.validates(backend)
+    checked = library.checks(backend) if library is not None else frozenset()
     for canonical in {found.field for found in _SECTIONS.values()}:
         spelled = [name for name, found in _SECTIONS.items() if found.field == canonical and name in raw]
         if len(spelled) > 1:
@@ -119,7 +121,7 @@ def load_config(
                 f"keep only '{canonical}'",
             )
     given = {
-        found.field: _build(found.cls, raw[name], where, name, lenient=checked_by_library and found.deepspeed)
+        found.field: _build(found.cls, raw[name], where, name, lenient=name in checked)
         for name, found in _SECTIONS.items()
         if name in raw and found.field != "zero_optimization"  # DeepSpeed's rules: config.zero
     }
@@ -140,7 +142,9 @@ def load_config(
         train_micro_batch_size_per_gpu=micro,
         gradient_accumulation_steps=accum,
         world_size=world_size,
-        zero_optimization=build_zero(raw.get("zero_optimization", False), where, lenient=checked_by_library),
+        zero_optimization=build_zero(
+            raw.get("zero_optimization", False), where, lenient="zero_optimization" in checked
+        ),
         backend_sections=sections,
         source=where,
         raw=raw,
@@ -148,11 +152,11 @@ def load_config(
         **values,
     )
     foreign = sorted(set(raw) - TOP_LEVEL_KEYS - sections.keys())
-    known = library.keys(config) if library is not None and (foreign or checked_by_library) else None
+    known = library.keys(config) if library is not None and (foreign or checked & raw.keys()) else None
     reject_unknown(raw, TOP_LEVEL_KEYS | backend_sections.keys() | (INERT_DEEPSPEED_KEYS if known is None else known),
                    where, "the top level")  # fmt: skip
     config = dataclasses.replace(config, inert_keys=tuple(foreign))
-    _check_semantics(config, checked_by_library)
+    _check_semantics(config, checked)
     return config
 
 
@@ -385,7 +389,7 @@ def _show(given: dict[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in given.items())
 
 
-def _check_semantics(config: SailConfig, checked_by_library: bool) -> None:
+def _check_semantics(config: SailConfig, checked: frozenset[str]) -> None:
     """What one key's type and range cannot say: names, paths, and keys that must agree. The
     optimizer and scheduler sections are the library's where it builds them (DeepSpeed's Lamb)."""
     where = config.source
@@ -395,9 +399,9 @@ def _check_semantics(config: SailConfig, checked_by_library: bool) -> None:
             "a run uses one mixed-precision mode",
             "keep bf16 on GPUs that support it (A100, H100), fp16 otherwise (V100)",
         )
-    if config.optimizer is not None and not checked_by_library:
+    if config.optimizer is not None and "optimizer" not in checked:
         resolve_optimizer(config.optimizer, where)
-    if config.scheduler is not None and not checked_by_library:
+    if config.scheduler is not None and "scheduler" not in checked:
         check_scheduler(config.scheduler, where)
     _check_paths(config)
     if isinstance(config.sail.balance, tuple):

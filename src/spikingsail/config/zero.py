@@ -1,9 +1,10 @@
 """DeepSpeed's ``zero_optimization`` section: the keys it takes and the values each may have.
 
-The DDP and FSDP backends read only ``stage``, and warn that the other keys have no effect; every
-value is checked here anyway, with DeepSpeed's types and bounds, so that a file that would fail
-under DeepSpeed fails here too, naming the key. The DeepSpeed backend hands the rest to DeepSpeed,
-whose own config class checks it before any process group exists (``backends/deepspeed_keys.py``).
+The DeepSpeed backend hands the keys besides ``stage`` to DeepSpeed, whose own config class checks
+them before any process group exists (``backends/deepspeed_keys.py``). The DDP and FSDP backends read
+only ``stage`` and warn that the others have no effect; they are checked here with the types and
+bounds of DeepSpeed 0.19.8 (``ZERO_KEYS``, without the keys it removed), so that a file that would
+fail under DeepSpeed fails here too, naming the key.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ ZERO_KEYS: dict[str, str | Range] = {
     "zero_hpz_partition_size": _SIZE,
     "zero_quantized_weights": _BOOL,
     "zero_quantized_gradients": _BOOL,
-    "mics_shard_size": Range(-1, INT64_MAX, integer=True, why="-1 turns MiCS off"),
     "memory_efficient_linear": _BOOL,
     "gather_16bit_weights_on_model_save": _BOOL,
 }

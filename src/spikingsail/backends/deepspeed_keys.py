@@ -22,12 +22,16 @@ def installed() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
-def read(handed: Mapping[str, Any], world_size: int, where: str) -> frozenset[str]:
+def read(handed: Mapping[str, Any], world_size: int, where: str) -> frozenset[str] | None:
     """The top-level keys DeepSpeed's config class looks up while it reads ``handed`` for a job of
     ``world_size`` data-parallel processes (those it knows); its refusal as a ``ConfigError`` naming
-    ``where`` and the key it refuses."""
-    import deepspeed
-
+    ``where`` and the key it refuses. None when DeepSpeed does not import here (the deepspeed
+    backend then says why when it is chosen)."""
+    try:
+        import deepspeed
+        from deepspeed.runtime import config as _  # noqa: F401
+    except Exception:  # a DeepSpeed built for another torch raises more than ImportError
+        return None
     seen: set[str] = set()
     try:
         _build(_Recording(handed, seen), world_size)

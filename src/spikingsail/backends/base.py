@@ -77,7 +77,7 @@ class Backend(ABC):
     def library_keys(cls, config: SailConfig) -> frozenset[str] | None:
         """The top-level keys of the user's file outside SpikingSail's table that the installed
         DeepSpeed reads, asked of DeepSpeed itself (which refuses the keys it removed); None where
-        DeepSpeed is not installed. This backend acts on none of them (the engine warns)."""
+        DeepSpeed does not import here. This backend acts on none of them (the engine warns)."""
         from spikingsail.backends import deepspeed_keys
         from spikingsail.config.parse import TOP_LEVEL_KEYS
 
@@ -87,8 +87,6 @@ class Backend(ABC):
         }
         if not handed:
             return frozenset()
-        if not deepspeed_keys.installed():
-            return None
         return deepspeed_keys.read({**handed, "train_micro_batch_size_per_gpu": 1}, 1, config.source)
 
     @classmethod

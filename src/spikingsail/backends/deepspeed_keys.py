@@ -10,16 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
 import logging
 from collections.abc import Iterator, KeysView, Mapping
 from typing import Any
 
 from spikingsail.errors import ConfigError
-
-
-def installed() -> bool:
-    return importlib.util.find_spec("deepspeed") is not None
 
 
 def read(handed: Mapping[str, Any], world_size: int, where: str) -> frozenset[str] | None:

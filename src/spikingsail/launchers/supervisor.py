@@ -80,7 +80,8 @@ def supervise(
             _clean_up(commands, output)  # removes what did arrive; nothing was started
             if failed_upload is not None:
                 return failed_upload.exit_code, failed_upload
-            return 128 + signals.received[0], None
+            assert signals.status is not None  # a signal came while uploading
+            return signals.status, None
         return watch(_Commands(commands, output), signals, timeout)
 
 

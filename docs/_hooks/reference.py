@@ -142,9 +142,10 @@ def config_rows() -> list[Row]:
     for key, kind in zero.ZERO_KEYS.items():
         allowed = kind if isinstance(kind, str) else kind.describe()
         text = zero_docs.get(key) or (
-            "DeepSpeed's key with DeepSpeed's meaning; the deepspeed backend hands it to DeepSpeed, whose "
-            "config class checks it (and any other key it has); the others read only stage, and check it "
-            "with DeepSpeed's type and bounds."
+            "DeepSpeed's key with DeepSpeed's meaning, checked by the installed DeepSpeed's config class "
+            "under every backend (and any other key it has): the deepspeed backend hands it to DeepSpeed, "
+            "the others read only stage and name the rest in a warning. Where DeepSpeed does not import, "
+            "it is checked with DeepSpeed 0.19.8's type and bounds."
         )
         rows.append(Row(f"zero_optimization.{key}", "", "DeepSpeed's", str(allowed), text))
     for key in sorted(parse.INERT_DEEPSPEED_KEYS):

@@ -7,7 +7,9 @@ with DeepSpeed's own reason, and one it reads is accepted and named as having no
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import sys
 from typing import Any
 
 import pytest
@@ -16,6 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from spikingsail.backends import load_config
+from spikingsail.config.zero import ZERO_KEYS
 from spikingsail.errors import ConfigError
 from spikingsail.launchers.deviations import DEVIATIONS
 
@@ -122,3 +125,76 @@ def test_under_ddp_a_key_deepspeed_reads_is_accepted_and_a_typo_is_not() -> None
     assert config.inert_keys == ("tensorboard",)  # named in the engine's warning: no effect with ddp
     with pytest.raises(ConfigError, match="did you mean 'compile'"):
         load_config({"train_batch_size": 8, "compiel": {}}, WORLD)
+
+
+def _zero_fields() -> list[tuple[str, Any]]:
+    """Every option of DeepSpeed's ``zero_optimization`` model (by the name a file uses) with its
+    default, where the default is a value a JSON file can hold."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    fields = []
+    for name, field in DeepSpeedZeroConfig.model_fields.items():
+        default = field.default
+        if name == "stage" or not (default is None or isinstance(default, (bool, int, float, str))):
+            continue
+        fields.append((field.alias or name, json.loads(json.dumps(default))))  # DeepSpeed's pp_int: an int
+    return fields
+
+
+def test_the_zero_options_checked_where_deepspeed_does_not_import_are_deepspeeds() -> None:
+    """``ZERO_KEYS`` (what SpikingSail checks without DeepSpeed) names exactly the options of the
+    installed DeepSpeed's ``zero_optimization`` model, by field name or alias."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    names = {
+        spelling
+        for name, field in DeepSpeedZeroConfig.model_fields.items()
+        for spelling in (name, field.alias)
+        if spelling
+    }
+    assert set(ZERO_KEYS) == names
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+@pytest.mark.parametrize(("key", "value"), _zero_fields())
+def test_every_zero_option_deepspeed_has_is_read_as_deepspeed_reads_it_under_other_backends(
+    backend: str, key: str, value: Any
+) -> None:
+    """An option of DeepSpeed's ZeRO model, at its default: accepted wherever DeepSpeed takes it
+    (and named as having no effect), refused wherever DeepSpeed refuses it."""
+    zero = {"stage": 1, key: value}
+    raw = {"train_batch_size": 8, "zero_optimization": zero, "sail": {"backend": backend}}
+    assert sail_accepts(raw) == deepspeed_accepts(raw), (key, value)
+    if sail_accepts(raw):
+        assert load_config(copy.deepcopy(raw), WORLD).zero_optimization.options == {key: value}
+
+
+@pytest.mark.parametrize(
+    ("zero", "named"),
+    [
+        ({"stage": 1, "mics_shard_size": 2}, "zero_optimization.mics_shard_size"),  # removed in 0.19.8
+        ({"stage": 1, "reduce_bucket_size": "big"}, "zero_optimization.reduce_bucket_size"),
+        ({"stage": 1, "reduce_buckt_size": 5}, "zero_optimization.reduce_buckt_size"),
+    ],
+)
+def test_a_zero_option_deepspeed_refuses_is_refused_under_ddp_naming_it(
+    zero: dict[str, Any], named: str
+) -> None:
+    raw = {"train_batch_size": 8, "zero_optimization": zero}
+    assert not deepspeed_accepts(raw)
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config(raw, WORLD)
+
+
+def test_where_deepspeed_does_not_import_the_zero_options_are_checked_against_its_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(
+        sys.modules, "deepspeed", None
+    )  # `import deepspeed` fails, as on a machine without it
+    config = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 1, "zenflow": None}}, WORLD)
+    assert config.zero_optimization.options == {"zenflow": None}
+    for zero, named in [({"stage": 1, "reduce_buckt_size": 5}, "reduce_buckt_size"),
+                        ({"stage": 1, "zenflow": 3}, "zero_optimization.zenflow")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=named):
+            load_config({"train_batch_size": 8, "zero_optimization": zero}, WORLD)

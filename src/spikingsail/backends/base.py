@@ -70,24 +70,33 @@ class Backend(ABC):
     @classmethod
     def checked_by_deepspeed(cls) -> frozenset[str]:
         """The sections of SpikingSail's table whose keys it does not read DeepSpeed checks itself
-        (``library_keys``); this backend's are checked by SpikingSail (``config/zero.py``)."""
-        return frozenset()
+        (``library_keys``): here ``zero_optimization``, of which this backend reads only ``stage``."""
+        return frozenset({"zero_optimization"})
 
     @classmethod
     def library_keys(cls, config: SailConfig) -> frozenset[str] | None:
         """The top-level keys of the user's file outside SpikingSail's table that the installed
-        DeepSpeed reads, asked of DeepSpeed itself (which refuses the keys it removed); None where
-        DeepSpeed does not import here. This backend acts on none of them (the engine warns)."""
+        DeepSpeed reads, asked of DeepSpeed itself (which refuses the keys it removed and checks
+        the ``zero_optimization`` options); None where DeepSpeed does not import here, and then the
+        options are checked against ``config/zero.py``'s table. This backend acts on none of them
+        (the engine warns)."""
         from spikingsail.backends import deepspeed_keys
         from spikingsail.config.parse import TOP_LEVEL_KEYS
+        from spikingsail.config.zero import build_zero
 
         raw = config.raw
         handed = {
             k: v for k, v in raw.items() if k not in TOP_LEVEL_KEYS and k not in config.backend_sections
         }
+        zero = raw.get("zero_optimization")
+        if config.zero_optimization.options:
+            handed["zero_optimization"] = zero
         if not handed:
             return frozenset()
-        return deepspeed_keys.read({**handed, "train_micro_batch_size_per_gpu": 1}, 1, config.source)
+        known = deepspeed_keys.read({**handed, "train_micro_batch_size_per_gpu": 1}, 1, config.source)
+        if known is None and config.zero_optimization.options:
+            build_zero(zero, config.source)  # no DeepSpeed here to ask
+        return known
 
     @classmethod
     def data_parallel_size(cls, world_size: int, sections: dict[str, Any]) -> int:

@@ -1,10 +1,11 @@
 """DeepSpeed's ``zero_optimization`` section: the keys it takes and the values each may have.
 
-The DeepSpeed backend hands the keys besides ``stage`` to DeepSpeed, whose own config class checks
-them before any process group exists (``backends/deepspeed_keys.py``). The DDP and FSDP backends read
-only ``stage`` and warn that the others have no effect; they are checked here with the types and
-bounds of DeepSpeed 0.19.8 (``ZERO_KEYS``, without the keys it removed), so that a file that would
-fail under DeepSpeed fails here too, naming the key.
+Every backend has the keys besides ``stage`` checked by the installed DeepSpeed's own config class
+before any process group exists (``backends/deepspeed_keys.py``): the DeepSpeed backend hands them
+to DeepSpeed; the others read only ``stage`` and warn that the rest have no effect. Where DeepSpeed
+does not import, they are checked here with the types and bounds of DeepSpeed 0.19.8 (``ZERO_KEYS``,
+without the keys it removed), so that a file that would fail under DeepSpeed fails here too, naming
+the key.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from spikingsail.checks import INT64_MAX, Range, check_number, reject_unknown
 from spikingsail.config.schema import ZeroConfig
 from spikingsail.errors import ConfigError
 
-_BOOL, _OPTIONAL_BOOL, _OFFLOAD = "bool", "bool or null", "offload"
+_BOOL, _OPTIONAL_BOOL, _OFFLOAD, _OBJECT = "bool", "bool or null", "offload", "object or null"
 _SIZE = Range(0, INT64_MAX, integer=True, why="DeepSpeed sizes its buffers with it (torch sizes are int64)")
 _FRACTION = Range(0, 1)
 _STAGE = Range(0, 3, integer=True, why="ZeRO has stages 0 (off), 1, 2 and 3")
@@ -38,7 +39,22 @@ ZERO_KEYS: dict[str, str | Range] = {
     "ignore_unused_parameters": _BOOL,
     "use_multi_rank_bucket_allreduce": _BOOL,
     "cpu_offload": _OPTIONAL_BOOL,
-    "cpu_offload_params": _OPTIONAL_BOOL,
+    "cpu_offload_param": _OPTIONAL_BOOL,
+    "cpu_offload_use_pin_memory": _OPTIONAL_BOOL,
+    "compute_grad_norm": _BOOL,
+    "zenflow": _OBJECT,
+    "leaf_module": _OBJECT,
+    "legacy_stage1": _BOOL,
+    "parameter_alignment": _BOOL,
+    "pipeline_loading_checkpoint": _BOOL,
+    "override_module_apply": _BOOL,
+    "log_trace_cache_warnings": _BOOL,
+    "enable_sanity_checks": _BOOL,
+    "save_muon_momentum_buffer_in_memory": _BOOL,
+    "zero_quantized_nontrainable_weights": _BOOL,
+    "stage3_module_granularity_threshold": _SIZE,
+    "stage3_use_all_reduce_for_fetch_params": _BOOL,
+    "stage3_allgather_sequential": _BOOL,
     "stage3_max_live_parameters": _SIZE,
     "stage3_max_reuse_distance": _SIZE,
     "stage3_prefetch_bucket_size": _SIZE,
@@ -52,6 +68,9 @@ ZERO_KEYS: dict[str, str | Range] = {
     "memory_efficient_linear": _BOOL,
     "gather_16bit_weights_on_model_save": _BOOL,
 }
+# DeepSpeed's models take a field's own name as well as its ``stage3_`` alias.
+ZERO_KEYS |= {key.removeprefix("stage3_"): ZERO_KEYS[key] for key in ZERO_KEYS if key.startswith("stage3_")}
+ZERO_KEYS.pop("gather_fp16_weights_on_model_save")  # deprecated: only its stage3_ spelling exists
 OFFLOAD_KEYS: dict[str, str | Range] = {
     "device": "none, cpu or nvme",
     "nvme_path": "path or null",
@@ -110,6 +129,9 @@ def _check_value(value: Any, kind: str | Range, where: str, key: str) -> None:
             _wrong(value, "an object (or null)", where, key, 'e.g. {"device": "cpu", "pin_memory": true}')
         if isinstance(value, dict):
             _check_keys(value, OFFLOAD_KEYS, where, key)
+    elif kind == _OBJECT:
+        if value is not None and not isinstance(value, dict):
+            _wrong(value, "an object (or null)", where, key, "an object of its options")
     elif kind in (_BOOL, _OPTIONAL_BOOL):
         if not isinstance(value, bool) and not (value is None and kind == _OPTIONAL_BOOL):
             _wrong(value, kind, where, key, "true or false")

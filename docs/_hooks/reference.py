@@ -362,8 +362,15 @@ def deviations_markdown(peer: str) -> str:
     return table(peer)
 
 
+def deepspeed_flags_markdown() -> str:
+    from spikingsail.launchers.deepspeed_flags import table
+
+    return table()
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "deviations-deepspeed": lambda: deviations_markdown("DeepSpeed"),
+    "deepspeed-flags": deepspeed_flags_markdown,
     "deviations-horovod": lambda: deviations_markdown("Horovod"),
     "config": config_markdown,
     "cli": cli_markdown,

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from spikingsail.errors import LaunchError
+from spikingsail.launchers import deepspeed_flags
 from spikingsail.launchers.hostfile import Node
-from spikingsail.launchers.request import parse_request
+from spikingsail.launchers.request import parse_request, parser
 from tests.launchers.plans import plan
 
 
@@ -71,3 +74,78 @@ def test_np_and_nproc_per_node_without_hosts_are_one_too_many(job: Path) -> None
 def test_a_filter_without_hosts_names_its_flag(job: Path) -> None:
     with pytest.raises(LaunchError, match=r"^--num_gpus needs hosts"):
         parse_request(["--num_gpus", "2", "train.py"])
+
+
+def _deepspeeds_parser(monkeypatch: pytest.MonkeyPatch) -> argparse.ArgumentParser:
+    """The parser of the installed DeepSpeed's launcher (``deepspeed.launcher.runner``), which
+    builds it inside ``parse_args``."""
+    from deepspeed.launcher import runner
+
+    built: list[argparse.ArgumentParser] = []
+    parse = argparse.ArgumentParser.parse_args
+
+    def keep(self: argparse.ArgumentParser, args: Any = None, namespace: Any = None) -> Any:
+        built.append(self)
+        return parse(self, ["train.py"])
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", keep)
+    runner.parse_args([])
+    monkeypatch.undo()
+    return built[0]
+
+
+def test_every_flag_of_deepspeeds_launcher_is_known_and_takes_what_it_takes_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ours = parser()._option_string_actions
+    flags = {s: a for a in _deepspeeds_parser(monkeypatch)._actions for s in a.option_strings}
+    unknown = sorted(set(flags) - set(ours))
+    assert not unknown, f"DeepSpeed's launcher flags sail launch does not know: {unknown}"
+    for spelling, action in flags.items():
+        assert (action.nargs == 0) == (ours[spelling].nargs == 0), spelling
+
+
+def deepspeed_constants() -> Any:
+    from deepspeed.launcher import constants
+
+    return constants
+
+
+REFUSED = [f for f in deepspeed_flags.FLAGS if not f.accepted]
+ACCEPTED = [f for f in deepspeed_flags.FLAGS if f.accepted]
+
+
+@pytest.mark.parametrize("flag", REFUSED, ids=lambda f: f.spellings[-1])
+def test_a_deepspeed_flag_without_counterpart_is_refused_saying_what_to_use(
+    job: Path, flag: deepspeed_flags.DeepSpeedFlag
+) -> None:
+    given = [flag.spellings[0]] + ([] if flag.metavar is None else ["tune"])
+    with pytest.raises(LaunchError) as err:
+        parse_request(["-H", "hostfile", *given, "train.py"])
+    assert str(err.value).startswith(flag.spellings[-1]) and "DeepSpeed's launcher" in str(err.value)
+
+
+@pytest.mark.parametrize("flag", ACCEPTED, ids=lambda f: f.spellings[-1])
+def test_a_deepspeed_flag_for_what_sail_does_anyway_changes_nothing(
+    job: Path, flag: deepspeed_flags.DeepSpeedFlag
+) -> None:
+    for hosts in (["-H", "hostfile"], ["-H", "node1:2"], ["-n", "2"]):
+        assert parse_request([*hosts, *flag.spellings, "train.py"]) == parse_request([*hosts, "train.py"])
+
+
+@pytest.mark.parametrize(
+    "name", sorted(v for k, v in vars(deepspeed_constants()).items() if k.endswith("_LAUNCHER"))
+)
+def test_each_of_deepspeeds_launcher_names_is_sails_or_refused(
+    job: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "7")  # srun starts a job only inside an allocation
+    argv = ["-H", "hostfile", "--launcher", name, "train.py"]
+    if name in deepspeed_flags.OTHER_MPIS:
+        with pytest.raises(
+            LaunchError, match=f"--launcher {name}: SpikingSail does not start jobs with this MPI"
+        ):
+            parse_request(argv)
+    else:
+        expected = deepspeed_flags.LAUNCHER_NAMES.get(name, name)
+        assert parse_request(argv) == parse_request([*argv[:3], expected, "train.py"])

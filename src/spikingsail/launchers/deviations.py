@@ -83,6 +83,12 @@ DEVIATIONS: dict[str, Deviation] = {
         "refuses, naming the key and the values it takes",
         "the same file runs on every backend, and each reads these keys",
     ),
+    "launcher-default": Deviation(
+        "DeepSpeed", "`-H hostfile` without `--launcher`",
+        "starts the hosts through pdsh",
+        "starts them through ssh (`--launcher pdsh` as DeepSpeed)",
+        "ssh is on every machine, pdsh is not",
+    ),
     "filter-nothing-left": Deviation(
         "DeepSpeed", "`--include`/`--exclude` that leave no host",
         "filters to no host, and its launcher fails later",

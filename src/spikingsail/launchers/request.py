@@ -17,7 +17,7 @@ import torch
 from torch.distributed.run import get_args_parser
 
 from spikingsail.errors import LaunchError
-from spikingsail.launchers import LAUNCHERS, default_launcher
+from spikingsail.launchers import LAUNCHERS, deepspeed_flags, default_launcher
 from spikingsail.launchers.command import FORWARDED_SIGNALS
 from spikingsail.launchers.hostfile import (
     MAX_SLOTS,
@@ -39,6 +39,7 @@ from spikingsail.launchers.torchrun_args import (
     TorchrunArgs,
     check_values,
     count,
+    flag_name,
     flag_names,
     names_hosts,
     node_range,
@@ -59,7 +60,7 @@ _OWN_FLAGS = {
     "--num-nodes": 1, "--num-gpus": 1, "--num-accelerators": 1, "--launcher": 1, "--ssh-port": 1, "--ssh-user": 1, "--ssh-config": 1,
     "--connect-timeout": 1, "--heartbeat-timeout": 1, "--env": 1, "--launcher-args": 1, "--dist-init-method": 1,
     "--ft-replicas": 1, "--ft-heartbeat-timeout": 1,
-}  # fmt: skip
+} | {flag_name(s): int(f.metavar is not None) for f in deepspeed_flags.FLAGS for s in f.spellings}  # fmt: skip
 LAUNCHER_NAMES = tuple(LAUNCHERS)
 _DIST_INIT_METHODS = tuple(
     dict.fromkeys(m for launcher in LAUNCHERS.values() for m in launcher.dist_init_methods)
@@ -99,8 +100,9 @@ def parser() -> argparse.ArgumentParser:
     )
     own.add_argument(
         "--launcher",
-        choices=LAUNCHER_NAMES,
-        help="how to start the per-node agents or processes (default: ssh)",
+        choices=(*LAUNCHER_NAMES, *deepspeed_flags.LAUNCHER_NAMES, *deepspeed_flags.OTHER_MPIS),
+        metavar="{" + ",".join(LAUNCHER_NAMES) + "}",
+        help="how to start the per-node agents or processes (default: ssh; DeepSpeed's openmpi is mpirun)",
     )
     own.add_argument(
         "--ssh-port",
@@ -161,11 +163,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="with --ft-replicas: a group silent this long leaves the quorum (above 0, at most 86400; default 1)",
     )
+    deepspeed_flags.add_flags(p)
     return p
 
 
 def parse_request(argv: list[str]) -> LaunchRequest:
     ns, argv = _parse(argv)
+    deepspeed_flags.read_flags(ns)
     split = _script_index(argv, ns.training_script, ns.training_script_args)
     torchrun = _np_here(ns, TorchrunArgs.read(ns, argv[:split], _OWN_FLAGS))
     nnodes = check_values(ns)

@@ -1,18 +1,20 @@
-"""horovodrun's ``-H`` host lists and ``-np`` against Horovod's own code on the same input: generated
-host lists, the processes SpikingSail starts on each host compared with what
+"""horovodrun's ``-H`` host lists, ``-hostfile`` files and ``-np`` against Horovod's own code on the
+same input: generated host lists and hostfiles, the processes SpikingSail starts on each host compared with what
 ``horovod.runner.common.util.hosts`` assigns, and a refusal where it raises."""
 
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 
+import pytest
 from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from spikingsail.errors import LaunchError
 from spikingsail.launchers.deviations import DEVIATIONS
-from spikingsail.launchers.hostfile import distribute, parse_host_list
+from spikingsail.launchers.hostfile import distribute, parse_host_list, parse_hostfile
 
 # (entry, the deviations that may make SpikingSail's reading differ from horovodrun's)
 slots = st.sampled_from(
@@ -56,3 +58,49 @@ def test_host_lists_start_what_horovodrun_starts(items: list[tuple[str, tuple[st
     assert allowed <= DEVIATIONS.keys()
     if ours(spec, np) != horovods(spec, np):
         assert allowed, f"-H {spec!r} -np {np}: horovodrun {horovods(spec, np)}, SpikingSail {ours(spec, np)}"
+
+
+# (hostfile line, the deviations that may make SpikingSail's reading differ from horovodrun's)
+lines = st.sampled_from([
+    ("node1 slots=2", ()), ("node2 slots=1", ()), ("10.0.0.3 slots=4", ()), ("node1 slots=2   ", ()),
+    ("node3\tslots=3", ()), ("node2 slots=0", ("hosts-zero-slots",)), ("node2 slots=+2", ("hosts-slot-spelling",)),
+    ("# a comment", ("hostfile-blank-and-comment-lines",)), ("", ("hostfile-blank-and-comment-lines",)),
+    ("node1", ()),  # no slot count: horovodrun fails on it, SpikingSail refuses it (without -n)
+])  # fmt: skip
+
+
+def horovods_hostfile(path: Path, np: int) -> dict[str, int] | None:
+    """What horovodrun -hostfile PATH -np NP starts on each host: its hostfile becomes a -H host list."""
+    from horovod.runner.common.util.hosts import parse_host_files
+
+    try:
+        spec = parse_host_files(str(path))
+    except (IndexError, ValueError):  # a line without `=`
+        return None
+    return horovods(spec, np)
+
+
+def ours_hostfile(path: Path, np: int) -> dict[str, int] | None:
+    try:
+        return {node.host: node.nproc for node in distribute(parse_hostfile(path), np)}
+    except LaunchError:
+        return None
+
+
+@given(items=st.lists(lines, min_size=1, max_size=4), np=st.integers(1, 9))
+@example(items=[("node1 slots=2", ()), ("node2 slots=2", ())], np=3)
+@settings(max_examples=200, deadline=None)
+def test_hostfiles_start_what_horovodrun_starts(
+    tmp_path_factory: pytest.TempPathFactory, items: list[tuple[str, tuple[str, ...]]], np: int
+) -> None:
+    path = tmp_path_factory.mktemp("hostfile") / "hostfile"
+    path.write_text("".join(f"{line}\n" for line, _ in items))
+    allowed = {why for _, whys in items for why in whys}
+    hosts = [line.split()[0] for line, _ in items if line and not line.startswith("#")]
+    if len(set(hosts)) < len(hosts):
+        allowed.add("hosts-repeated")
+    assert allowed <= DEVIATIONS.keys()
+    if ours_hostfile(path, np) != horovods_hostfile(path, np):
+        assert allowed, (
+            f"{path.read_text()!r} -np {np}: horovodrun {horovods_hostfile(path, np)}, SpikingSail {ours_hostfile(path, np)}"
+        )

@@ -101,6 +101,12 @@ DEVIATIONS: dict[str, Deviation] = {
         "refuses, naming the flag",
         "a slot is a GPU index, written as one",
     ),
+    "hostfile-blank-and-comment-lines": Deviation(
+        "Horovod", "a blank line or a `# comment` in a `-hostfile`",
+        "fails on it with a traceback (an IndexError)",
+        "skips it, as DeepSpeed and Open MPI do",
+        "one hostfile serves every launcher",
+    ),
     "hosts-bare": Deviation(
         "Horovod", "`-H node1,node2` (a host without `:SLOTS`)",
         "refuses the host list (horovodrun splits each entry at its one `:`)",

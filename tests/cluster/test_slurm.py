@@ -167,9 +167,9 @@ def test_two_jobs_whose_first_node_is_the_same_keep_their_own_rendezvous(
     """The second job's agents once found torchrun's port taken on node1, joined the first job's
     store instead, and died when the first job ended. Each job now meets at its own port."""
 
-    def start(name: str, steps: int) -> subprocess.Popen[str]:
+    def start(name: str) -> subprocess.Popen[str]:
         argv = ["salloc", "-N", "2", "--ntasks-per-node", "1", *SAIL, str(JOB), str(tmp_path / name),
-                "--steps", str(steps), "--step-sleep", "0.2"]  # fmt: skip
+                "--steps", "1", "--until", str(tmp_path / f"{name}.done"), "--step-sleep", "0.2"]  # fmt: skip
         log = (tmp_path / f"{name}.log").open("w")
         return subprocess.Popen(
             slurm.node_argv("node1", argv),
@@ -180,25 +180,39 @@ def test_two_jobs_whose_first_node_is_the_same_keep_their_own_rendezvous(
             text=True,
         )
 
-    def started(name: str) -> bool:
-        return all((tmp_path / name / f"started{rank}").exists() for rank in (0, 1))
+    def wait_started(name: str, job: subprocess.Popen[str]) -> None:
+        deadline = time.monotonic() + 90
+        while not all((tmp_path / name / f"started{rank}").exists() for rank in (0, 1)):
+            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / f"{name}.log").read_text()[
+                -3000:
+            ]
+            time.sleep(0.2)
 
-    first = start("first", 75)  # about 15 s of steps
-    deadline = time.monotonic() + 90
-    while not started("first"):
-        assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[
+    first = start("first")
+    wait_started("first", first)
+    second = start("second")  # its agents meet on node1 while the first job's are there
+    wait_started("second", second)
+    (tmp_path / "first.done").touch()
+    assert first.wait(timeout=180) == 0, (tmp_path / "first.log").read_text()[-3000:]
+
+    # the second job outlives the first: 10 more steps, each an all-reduce of both ranks
+    def step() -> int:
+        path = tmp_path / "second" / "step0"
+        return int(path.read_text() or 0) if path.exists() else 0
+
+    steps = step()
+    deadline = time.monotonic() + 60
+    while step() < steps + 10:
+        assert second.poll() is None and time.monotonic() < deadline, (tmp_path / "second.log").read_text()[
             -3000:
         ]
         time.sleep(0.2)
-    second = start("second", 120)  # still training when the first job ends (24 s of steps, started later)
-    assert first.wait(timeout=180) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    (tmp_path / "second.done").touch()
     assert second.wait(timeout=180) == 0, (tmp_path / "second.log").read_text()[-3000:]
-    for name, steps in (("first", 75), ("second", 120)):
+    for name in ("first", "second"):
         ranks = [json.loads(p.read_text()) for p in sorted((tmp_path / name).glob("rank*.json"))]
-        assert [(r["rank"], r["host"], r["steps"]) for r in ranks] == [
-            (0, "node1", steps),
-            (1, "node2", steps),
-        ]
+        assert [(r["rank"], r["host"]) for r in ranks] == [(0, "node1"), (1, "node2")]
+        assert ranks[0]["steps"] == ranks[1]["steps"] >= 1
     endpoints = [
         re.search(r"--rdzv-endpoint (\S+)", (tmp_path / f"{name}.log").read_text())[1]  # type: ignore[index]
         for name in ("first", "second")

@@ -1,6 +1,9 @@
 """A small engine job for the cluster tests: trains, then records what each rank ended with.
 
-ddp_job.py OUT_DIR [--steps N] [--step-sleep S] [--die-rank R --die-step S] [--exit-rank R --exit-code C]
+ddp_job.py OUT_DIR [--steps N] [--until FILE] [--step-sleep S] [--die-rank R --die-step S] [--exit-rank R --exit-code C]
+
+--until: after the N steps, go on stepping until FILE exists (the ranks agree on the step: any rank
+that sees it stops them all); each step then writes its number to OUT_DIR/step{RANK}.
 
 --exit-rank: that rank exits with status C once the job is done, the engine closed and every other
 rank's process gone (the nodes share a process table), 2 s later: when the other ranks' agents
@@ -29,6 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--until", type=Path)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--die-rank", type=int, default=-1)
     parser.add_argument("--die-step", type=int, default=3)
@@ -46,13 +50,17 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"started{engine.rank}").touch()
     g = torch.Generator().manual_seed(100 + engine.rank)
-    for step in range(args.steps):
+    step = 0
+    while step < args.steps or (args.until is not None and not _seen(args.until)):
         if engine.rank == args.die_rank and step == args.die_step:
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
         engine.backward(F.cross_entropy(engine(x), y))
         engine.step()
         time.sleep(args.step_sleep)
+        step += 1
+        if args.until is not None:
+            (args.out / f"step{engine.rank}").write_text(str(step))
     digest = hashlib.sha256(
         b"".join(p.detach().numpy().tobytes() for p in engine.module.parameters())
     ).hexdigest()
@@ -74,6 +82,13 @@ def main() -> None:
             time.sleep(0.1)
         time.sleep(2)  # an agent notices its workers' exit within its monitor interval
         sys.exit(args.exit_code)
+
+
+def _seen(path: Path) -> bool:
+    """Whether any rank sees ``path``."""
+    flag = torch.tensor([float(path.exists())])
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def gone(record: Path) -> bool:

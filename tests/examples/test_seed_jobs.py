@@ -69,6 +69,7 @@ IMAGENET_FLAGS = [
 ]
 
 
+@pytest.mark.lane2  # beside the cluster's tests: keeps scripts/test.sh's two lanes about even
 def test_imagenet_trainer_as_seed_002_starts_it_with_torchrun_resumes_each_epoch(digits_folder: Path,
                                                                                tmp_path: Path) -> None:  # fmt: skip
     """``torchrun --standalone --nnodes=1 --nproc-per-node=N train.py DATA --epochs=30 --resume

@@ -76,7 +76,7 @@ def test_a_filter_without_hosts_names_its_flag(job: Path) -> None:
         parse_request(["--num_gpus", "2", "train.py"])
 
 
-def _deepspeeds_parser(monkeypatch: pytest.MonkeyPatch) -> argparse.ArgumentParser:
+def _deepspeeds_parser() -> argparse.ArgumentParser:
     """The parser of the installed DeepSpeed's launcher (``deepspeed.launcher.runner``), which
     builds it inside ``parse_args``."""
     from deepspeed.launcher import runner
@@ -88,17 +88,15 @@ def _deepspeeds_parser(monkeypatch: pytest.MonkeyPatch) -> argparse.ArgumentPars
         built.append(self)
         return parse(self, ["train.py"])
 
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", keep)
-    runner.parse_args([])
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(argparse.ArgumentParser, "parse_args", keep)
+        runner.parse_args([])
     return built[0]
 
 
-def test_every_flag_of_deepspeeds_launcher_is_known_and_takes_what_it_takes_there(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_every_flag_of_deepspeeds_launcher_is_known_and_takes_what_it_takes_there() -> None:
     ours = parser()._option_string_actions
-    flags = {s: a for a in _deepspeeds_parser(monkeypatch)._actions for s in a.option_strings}
+    flags = {s: a for a in _deepspeeds_parser()._actions for s in a.option_strings}
     unknown = sorted(set(flags) - set(ours))
     assert not unknown, f"DeepSpeed's launcher flags sail launch does not know: {unknown}"
     for spelling, action in flags.items():

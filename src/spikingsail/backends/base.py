@@ -88,14 +88,13 @@ class Backend(ABC):
         handed = {
             k: v for k, v in raw.items() if k not in TOP_LEVEL_KEYS and k not in config.backend_sections
         }
-        zero = raw.get("zero_optimization")
-        if config.zero_optimization.options:
-            handed["zero_optimization"] = zero
+        if config.zero_optimization.options:  # the section as written, less its "auto" values
+            handed["zero_optimization"] = raw["zero_optimization"]
         if not handed:
             return frozenset()
         known = deepspeed_keys.read({**handed, "train_micro_batch_size_per_gpu": 1}, 1, config.source)
-        if known is None and config.zero_optimization.options:
-            build_zero(zero, config.source)  # no DeepSpeed here to ask
+        if known is None and "zero_optimization" in handed:
+            build_zero(handed["zero_optimization"], config.source)  # no DeepSpeed here to ask
         return known
 
     @classmethod

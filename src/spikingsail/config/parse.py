@@ -71,10 +71,10 @@ _SECTIONS = sections()
 _SCALARS = scalars()
 TOP_LEVEL_KEYS = frozenset({*BATCH_KEYS, *_SECTIONS, *_SCALARS})
 NOT_FOR_DEEPSPEED = frozenset(name for name, found in _SECTIONS.items() if not found.deepspeed)
-FOR_DEEPSPEED = frozenset(_SECTIONS) - NOT_FOR_DEEPSPEED
-"""The table's sections DeepSpeed reads too (fp16, bf16, zero_optimization, optimizer, scheduler)."""
 """The table's sections the deepspeed backend leaves out of what it hands ``deepspeed.initialize``
 (with every backend's own section: DeepSpeed reads none of them)."""
+FOR_DEEPSPEED = frozenset(_SECTIONS) - NOT_FOR_DEEPSPEED
+"""The table's sections DeepSpeed reads too (fp16, bf16, zero_optimization, optimizer, scheduler)."""
 _NO_SECTIONS: Mapping[str, type[Any]] = types.MappingProxyType({})
 
 

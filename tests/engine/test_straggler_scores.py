@@ -4,16 +4,28 @@ noise at every step, stalls, and episodes of load that slow one rank for a few w
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import random
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from spikingsail.engine.hooks import StepNotes
-from spikingsail.engine.stragglers import DEVIATIONS, PERSISTENT_WINDOWS, PHASES, STEPS, StragglerWatch
+from spikingsail.engine.stragglers import (
+    DEVIATIONS,
+    HISTORY_WINDOWS,
+    PERSISTENT_WINDOWS,
+    PHASES,
+    STEPS,
+    ScoreHistory,
+    StragglerWatch,
+)
 from spikingsail.engine.timing import spread
 
 WINDOW = 20
@@ -35,8 +47,10 @@ def watch(
 
 def step(w: StragglerWatch, number: int, forward_seconds: float) -> dict[str, Any] | None:
     """One optimizer step of rank 0 whose forward took ``forward_seconds``, through the watch's hooks."""
-    w._spans.append((None, 0.0, forward_seconds, None, forward_seconds))  # data, forward, backward, last, end
-    w.optimizer_begin()
+    # data, forward, backward, last gradient, end: the forward's, up to the backward's start at the
+    # clock's 0, as backward_end leaves it
+    w._spans.append((None, -forward_seconds, 0.0, None, 0.0))
+    w._last_end = 0.0
     notes = StepNotes(step=number)
     w.optimizer_end(notes)
     return notes.stragglers
@@ -186,3 +200,24 @@ def test_a_rank_slow_at_every_step_is_named_within_a_bounded_number_of_windows(w
             seed,
             warnings,
         )
+
+
+@given(st.lists(st.lists(st.floats(-3, 3), min_size=2, max_size=2), max_size=3 * HISTORY_WINDOWS))
+def test_the_kept_window_to_window_variance_is_half_the_mean_square_of_successive_differences(
+    windows: list[list[float]],
+) -> None:
+    """What ``ScoreHistory`` keeps as the windows come equals the sum over the last
+    ``HISTORY_WINDOWS`` scores, for each rank and for the ranks' mean."""
+    history = ScoreHistory(2)
+    for n, scores in enumerate(windows, start=1):
+        machine = history.add([(score, 0.0) for score in scores])
+        last = windows[max(0, n - HISTORY_WINDOWS) : n]
+        expected = [
+            math.fsum((b[r] - a[r]) ** 2 for a, b in itertools.pairwise(last)) / (2 * (len(last) - 1))
+            if len(last) > 1
+            else 0.0
+            for r in range(2)
+        ]
+        assert history.windows == len(last)
+        assert [history.between(r) for r in range(2)] == pytest.approx(expected, rel=1e-9, abs=1e-12)
+        assert machine == pytest.approx(sum(expected) / 2, rel=1e-9, abs=1e-12)

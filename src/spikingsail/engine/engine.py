@@ -132,12 +132,15 @@ class Engine(DeepSpeedNames):
         # step hooks: the first added enters first and leaves last (the heartbeat's record holds the rest)
         self.heartbeat = features.hang_watch(config, rank_info, self.counters, self.log_dir, closing)
         self.monitor = features.monitor(config, rank_info, self.log_dir, closing)
-        self.monitor.attach(accumulation=self.counters.accumulation, lr=lambda: self.get_lr()[0],
-                            loss_scale=lambda: self.loss_scale)  # fmt: skip
+        self.monitor.attach(
+            lr=lambda: self.optimizer.param_groups[0]["lr"], loss_scale=lambda: self.loss_scale
+        )
+        overflows = features.Overflows(lambda: self.loss_scale)
         stragglers = features.straggler_watch(config, rank_info, self.module, self.device, backend, closing)
         for feature, on in ((self.heartbeat, not isinstance(self.heartbeat, NoHeartbeat)),
                             (self.monitor, self.monitor.enabled), (self.snn, self.snn.active),
-                            (self.split, True), (stragglers, stragglers is not None)):  # fmt: skip
+                            (self.split, True), (stragglers, stragglers is not None),
+                            (overflows, config.fp16.enabled)):  # fmt: skip
             if on:
                 self.hooks.add(feature)
         replica_env = ReplicaEnv.from_env()
@@ -185,6 +188,7 @@ class Engine(DeepSpeedNames):
         """Backpropagate ``loss`` averaged over the accumulation window (and scaled for fp16), weighed
         by its batch's share of the step where shares differ."""
         boundary = (self.counters.micro_steps + 1) % self.counters.accumulation == 0
+        self._notes.loss = loss
         for begin in self.hooks.backward_begin:
             begin(loss, boundary)
         self._backward(self.split.weigh(loss) if self.split.weighs else loss)
@@ -201,8 +205,6 @@ class Engine(DeepSpeedNames):
             for vote in hooks.vote:
                 if not vote():
                     return self._discard_step()
-            for ready in hooks.optimizer_begin:
-                ready()
         if self._direct:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -213,19 +215,16 @@ class Engine(DeepSpeedNames):
             skipped = self.backend.step(self.optimizer, self.lr_scheduler, boundary=boundary)
         counters.micro_steps += 1
         if boundary:
-            if skipped:
-                counters.skipped_steps += 1
-                log.warning(
-                    "fp16 overflow: step %d skipped, loss scale now %g",
-                    counters.global_steps,
-                    self.loss_scale,
-                )
+            counters.skipped_steps += skipped
             counters.global_steps += 1
             counters.global_samples += self.config.train_batch_size
             notes = self._notes
             notes.step, notes.skipped = counters.global_steps, skipped
             for stepped in hooks.optimizer_end:
                 stepped(notes)
+            for period, due in hooks.period_end:
+                if notes.step % period == 0:
+                    due(notes)
         # after the counters moved on: a checkpoint saved here records the step as finished, or a
         # resume would take its first micro-step for the end of an accumulation window
         for end in hooks.step_end:

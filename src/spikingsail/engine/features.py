@@ -1,5 +1,5 @@
 """Where the engine's optional features are made from the config, each with what closes it: the hang
-watch's heartbeat, the monitor and its trackers, the straggler breakdown. The engine adds the ones
+watch's heartbeat, the monitor and its trackers, the straggler breakdown, fp16's overflow warning. The engine adds the ones
 that are on to its step hooks (``engine/hooks.py``) and their closing to its close stack."""
 
 from __future__ import annotations
@@ -7,8 +7,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,15 +18,29 @@ import torch.distributed as dist
 from spikingsail.backends.base import Backend
 from spikingsail.backends.process_group import rank_hosts
 from spikingsail.config.schema import SailConfig
+from spikingsail.engine.hooks import StepNotes
 from spikingsail.engine.state import StepCounters
 from spikingsail.engine.stragglers import StragglerWatch
 from spikingsail.environments import RankInfo
 from spikingsail.monitor import heartbeat
 from spikingsail.monitor.heartbeat import Heartbeat, NoHeartbeat
-from spikingsail.monitor.steps import StepMonitor
+from spikingsail.monitor.steps import AccumulatedLossMonitor, StepMonitor
 from spikingsail.monitor.trackers import check_installed, flatten, make_trackers
 
 log = logging.getLogger(__name__)
+
+
+class Overflows:
+    """fp16: a warning for each optimizer step that a gradient overflow skipped."""
+
+    def __init__(self, loss_scale: Callable[[], float]) -> None:
+        self.loss_scale = loss_scale
+
+    def optimizer_end(self, notes: StepNotes) -> None:
+        if notes.skipped:
+            log.warning(
+                "fp16 overflow: step %d skipped, loss scale now %g", notes.step - 1, self.loss_scale()
+            )
 
 
 def run_directory(config: SailConfig) -> Path:
@@ -68,13 +84,19 @@ def monitor(config: SailConfig, rank_info: RankInfo, log_dir: Path, closing: Exi
         metrics_path = str(log_dir / "metrics.jsonl")
     check_installed(sail.trackers)
     made = make_trackers(sail.trackers, log_dir) if zero and sail.trackers else []
-    steps = StepMonitor(
-        enabled=zero,
-        samples_per_step=config.train_batch_size,
-        steps_per_print=config.steps_per_print,
-        progress_bar=sail.progress_bar,
-        metrics_path=metrics_path,
-        trackers=made,
+    options: dict[str, Any] = {
+        "enabled": zero,
+        "samples_per_step": config.train_batch_size,
+        "steps_per_print": config.steps_per_print,
+        "progress_bar": sail.progress_bar,
+        "metrics_path": metrics_path,
+        "trackers": made,
+    }
+    accumulation = config.gradient_accumulation_steps
+    steps = (
+        StepMonitor(**options)
+        if accumulation == 1
+        else AccumulatedLossMonitor(accumulation=accumulation, **options)
     )
     closing.callback(steps.close)
     steps.log_hyperparams(flatten(config.raw))

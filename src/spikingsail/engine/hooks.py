@@ -13,8 +13,10 @@ A feature is an object with methods named after the events it takes part in (all
     backward_end(boundary)              ... and returns
     step_begin(boundary)                engine.step() starts
     vote() -> bool                      on a window's end, before the optimizer: False takes the step again
-    optimizer_begin()                   on a window's end, right before the optimizer step
-    optimizer_end(notes)                ... after it, with the counters moved on (``StepNotes``)
+    optimizer_end(notes)                after the optimizer step, with the counters moved on (``StepNotes``)
+    period_end(notes)                   ... then, at the optimizer steps that are a multiple of the
+                                        feature's ``period`` (a report every few steps costs no
+                                        call in between)
     discarded()                         the step was not committed (a ``vote`` said False)
     step_end(boundary)                  engine.step() returns
 
@@ -36,8 +38,8 @@ EVENTS = (
     "backward_end",
     "step_begin",
     "vote",
-    "optimizer_begin",
     "optimizer_end",
+    "period_end",
     "discarded",
     "step_end",
 )
@@ -47,10 +49,12 @@ _REVERSED = frozenset(name for name in EVENTS if name.endswith("_end"))
 @dataclass(slots=True)
 class StepNotes:
     """What an optimizer step's features hand each other at ``optimizer_end`` (one object, reused):
-    the step, whether fp16 skipped it, and what ``balance`` and the straggler breakdown found."""
+    the step, whether fp16 skipped it, and what ``balance`` and the straggler breakdown found; and,
+    from ``backward`` on, the loss of the step's last backward (its only one without accumulation)."""
 
     step: int = 0
     skipped: bool = False
+    loss: Any = None
     balance: dict[str, Any] | None = None
     stragglers: dict[str, Any] | None = None
 
@@ -65,8 +69,8 @@ class StepHooks:
     backward_end: list[Callable[[bool], None]]
     step_begin: list[Callable[[bool], None]]
     vote: list[Callable[[], bool]]
-    optimizer_begin: list[Callable[[], None]]
     optimizer_end: list[Callable[[StepNotes], None]]
+    period_end: list[tuple[int, Callable[[StepNotes], None]]]
     discarded: list[Callable[[], None]]
     step_end: list[Callable[[bool], None]]
 
@@ -82,8 +86,10 @@ class StepHooks:
             method = getattr(feature, name, None)
             if method is None:
                 continue
-            hooks: list[Callable[..., Any]] = getattr(self, name)
-            if name in _REVERSED:
+            hooks: list[Any] = getattr(self, name)
+            if name == "period_end":
+                hooks.append((feature.period, method))  # type: ignore[attr-defined]
+            elif name in _REVERSED:
                 hooks.insert(0, method)
             else:
                 hooks.append(method)
@@ -95,7 +101,8 @@ class StepHooks:
         for name in EVENTS:
             method = getattr(feature, name, None)
             if method is not None:
-                getattr(self, name).remove(method)
+                hooks: list[Any] = getattr(self, name)
+                hooks[:] = [h for h in hooks if (h[1] if name == "period_end" else h) != method]
 
     def __contains__(self, feature: object) -> bool:
         return feature in self.features

@@ -29,7 +29,6 @@ naming its rank and host, until it recovers.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from collections import deque
@@ -40,12 +39,11 @@ import torch
 from torch import nn
 
 from spikingsail.engine.hooks import StepNotes
-from spikingsail.engine.timing import Clock, LastGradient, log_variance_of_mean, lower_bound, spread
+from spikingsail.engine.timing import Clock, LastGradient, log_variance_of_mean, lower_bound
 
 log = logging.getLogger(__name__)
 
 PHASES = ("data", "forward", "backward", "comm", "optimizer")
-_WORK = [i for i, phase in enumerate(PHASES) if phase != "comm"]
 _DATA, _FORWARD, _BACKWARD, _COMM, _OPTIMIZER = range(len(PHASES))
 _STEP = "step"
 """The first item of an optimizer step's span."""
@@ -87,9 +85,8 @@ class StragglerWatch:
         self._data_start: Any = None
         self._forward_start: Any = None
         self._backward_start: Any = None
-        self._optimizer_start: Any = None
         self._steps = 0
-        self._history = [deque[float](maxlen=HISTORY_WINDOWS) for _ in range(world_size)]  # log scores
+        self._history = ScoreHistory(world_size)
         self._streaks = [
             (0, 0.0, 0.0)
         ] * world_size  # per rank: windows in a row at the factor, Σ log score, Σ variance
@@ -98,11 +95,13 @@ class StragglerWatch:
         self.hosts: list[str] | None = None
         self.last_gradient = LastGradient(model, self.clock)
 
-    # The engine's step hooks (``engine/hooks.py``), a few calls each. A training micro-step is one
-    # span (data start, forward start, backward start, last gradient, backward end), an optimizer
-    # step another (OPTIMIZER, start, end). Data runs from the end of the engine's last call to the
-    # forward (an evaluation forward in between counts as the script's time, as the loader's does);
-    # forward runs to the backward's start, the loss included.
+    # The engine's step hooks (``engine/hooks.py``): a clock read each and plain stores, no other
+    # call (``+=`` extends a list without one). A training micro-step is one span (data start,
+    # forward start, backward start, last gradient, backward end), an optimizer step another
+    # (``_STEP``, start, end). Data runs from the end of the engine's last call to the forward (an
+    # evaluation forward in between counts as the script's time, as the loader's does); forward runs
+    # to the backward's start, the loss included; optimizer from the backward's end to the step's,
+    # the script's work between them (gradient clipping, say) included.
 
     def forward_begin(self) -> None:
         self._data_start, self._forward_start = self._last_end, self.clock.mark()
@@ -117,16 +116,14 @@ class StragglerWatch:
         if last_gradient.learning or last_gradient.mark is None:
             last_gradient.learnt()
         self._last_end = end = self.clock.mark()
-        self._spans.append(
-            (self._data_start, self._forward_start, self._backward_start, last_gradient.mark, end)
+        self._spans += (
+            (self._data_start, self._forward_start, self._backward_start, last_gradient.mark, end),
         )
 
-    def optimizer_begin(self) -> None:
-        self._optimizer_start = self.clock.mark()
-
     def optimizer_end(self, notes: StepNotes) -> None:
-        self._last_end = end = self.clock.mark()
-        self._spans.append((_STEP, self._optimizer_start, end))
+        end = self.clock.mark()
+        self._spans += ((_STEP, self._last_end, end),)
+        self._last_end = end
         self._steps += 1
         notes.stragglers = None if self._steps % self.window else self._window_end(notes.step)
 
@@ -139,29 +136,33 @@ class StragglerWatch:
             self.hosts = self._hosts()  # a collective: every rank asks at the same window
         times = self._all_reduce_sum(mine)
         self._last_end = self.clock.mark()  # the all-reduce's wait for the slowest rank is no data wait
-        scores, logs = judge_window(times)
-        self._judge(step, self.rank, scores, logs, times)
+        rows: list[list[float]] = times.tolist()
+        scores, logs = judge_window(rows)
+        self._judge(step, self.rank, scores, logs, rows)
+        per_phase = times[:, : len(PHASES)].mul(1000 / self.window).round(decimals=3).t().tolist()
         return {
             "window": self.window,
             "scores": scores,
-            "ms_per_step": {
-                p: [round(1000 * float(t) / self.window, 3) for t in times[:, i]]
-                for i, p in enumerate(PHASES)
-            },
+            "ms_per_step": dict(zip(PHASES, per_phase, strict=True)),
         }
 
     def _resolve(self) -> list[float]:
-        """This rank's row of the window: seconds per phase, steps, and the spread of its per-step work."""
+        """This rank's row of the window: seconds per phase, steps, and the spread of its per-step
+        work (the sum of squared deviations from its mean, kept as the steps come: Welford's)."""
         cuda, seconds = self.clock.cuda, self.clock.seconds
         totals = [0.0] * len(PHASES)
-        work: list[float] = []
+        steps, mean, deviations = 0, 0.0, 0.0
         own = 0.0
         for span in self._spans:
             if span[0] is _STEP:  # an optimizer step: the end of a step
                 _, start, end = span
-                taken = seconds(start, end) if cuda else end - start
+                taken = 0.0 if start is None else seconds(start, end) if cuda else end - start
                 totals[_OPTIMIZER] += taken
-                work.append(own + taken)
+                own += taken
+                steps += 1
+                delta = own - mean
+                mean += delta / steps
+                deviations += delta * (own - mean)
                 own = 0.0
                 continue
             data, forward, backward, last, end = span
@@ -177,21 +178,22 @@ class StragglerWatch:
                     taken = seconds(start, stop) if cuda else stop - start
                     totals[phase] += taken
                     own += taken
-        self._spans.clear()
-        return [*totals, float(len(work)), spread(work)[1]]
+        self._spans = []
+        return [*totals, float(steps), deviations]
 
-    def _judge(self, step: int, rank: int, scores: list[float], logs: list[Log], times: torch.Tensor) -> None:
-        for history, (log_ratio, _) in zip(self._history, logs, strict=True):
-            history.append(log_ratio)
+    def _judge(
+        self, step: int, rank: int, scores: list[float], logs: list[Log], rows: list[list[float]]
+    ) -> None:
         # the ranks share the machine and its episodes of load: its windows' spread is the ranks' mean
-        machine = math.fsum(map(between_windows, self._history)) / self.world_size
+        machine = self._history.add(logs)
         for r, (log_ratio, within) in enumerate(logs):
             if scores[r] < self.factor:
                 self._streaks[r] = (0, 0.0, 0.0)
-                self._warned.discard(r)
-                self._onsets.discard(r)
+                if r in self._onsets or r in self._warned:
+                    self._warned.discard(r)
+                    self._onsets.discard(r)
                 continue
-            if self._streaks[r][0] == 0 and len(self._history[r]) > 1 and r not in self._onsets:
+            if self._streaks[r][0] == 0 and self._history.windows > 1 and r not in self._onsets:
                 # the window the rank turned slow in holds only part of its slow steps, wherever in
                 # the window that happened (an episode of two windows' length touches three of
                 # them): persistence counts the windows after it; a rank slow from the run's first
@@ -200,7 +202,7 @@ class StragglerWatch:
                 continue
             # a window's error: the larger of its steps' and of the run's windows' (load comes in
             # episodes longer than a step, which the steps of one window cannot show)
-            variance = max(within, between_windows(self._history[r]), machine)
+            variance = max(within, self._history.between(r), machine)
             windows, total, variances = self._streaks[r]
             windows, total, variances = windows + 1, total + log_ratio, variances + variance
             self._streaks[r] = (windows, total, variances)
@@ -210,9 +212,7 @@ class StragglerWatch:
                 continue
             self._warned.add(r)
             assert self.hosts is not None
-            per_step = {
-                p: 1000 * float(times[r, i]) / self.window for i, p in enumerate(PHASES) if p != "comm"
-            }
+            per_step = {p: 1000 * rows[r][i] / self.window for i, p in enumerate(PHASES) if p != "comm"}
             log.warning(
                 "straggler: rank %d on %s has taken %.2f× the other ranks' (median) time per step for the last %d "
                 "steps (to step %d; at least %.2f× given how much its steps vary; data %.1f ms, forward %.1f ms, "
@@ -226,37 +226,70 @@ class StragglerWatch:
         self.last_gradient.remove()
 
 
-def judge_window(times: torch.Tensor) -> tuple[list[float], list[Log]]:
+def judge_window(rows: Sequence[Sequence[float]]) -> tuple[list[float], list[Log]]:
     """Each rank's score (its work over the median of the other ranks'), and the score's log with
     that log's variance, from a window's all-reduced rows (phases, steps, deviations). A window of one
     step has no spread: its variance is 0, and the score is taken as it is."""
-    work = times[:, _WORK].sum(1).tolist()
+    work = [row[_DATA] + row[_FORWARD] + row[_BACKWARD] + row[_OPTIMIZER] for row in rows]
     spreads = [
-        log_variance_of_mean(w, d, n)
-        for w, d, n in zip(work, times[:, DEVIATIONS].tolist(), times[:, STEPS].tolist(), strict=True)
+        log_variance_of_mean(w, row[DEVIATIONS], row[STEPS]) for w, row in zip(work, rows, strict=True)
     ]
     scores: list[float] = []
     logs: list[Log] = []
+    ranked = sorted(zip(work, spreads, range(len(work)), strict=True))
     for r, own in enumerate(work):
-        others = sorted((w, v) for i, (w, v) in enumerate(zip(work, spreads, strict=True)) if i != r)
+        others = [(w, v) for w, v, i in ranked if i != r]
         middle = others[(len(others) - 1) // 2 : len(others) // 2 + 1]  # one rank, or the two middle ones
-        median = math.fsum(w for w, _ in middle) / len(middle)
+        if len(middle) == 1:
+            ((median, variance),) = middle
+            median_variance = variance
+        else:
+            (low, low_variance), (high, high_variance) = middle
+            median = (low + high) / 2
+            # the variance of the two middle ones' average, as a share of it
+            median_variance = (
+                (low_variance * low * low + high_variance * high * high) / 4 / median**2
+                if median > 0
+                else 0.0
+            )
         if median <= 0 or own <= 0:
             scores.append(1.0)
             logs.append((0.0, 0.0))
             continue
-        # the variance of the median's log: of the middle rank's mean, or of the two middle ones' average
-        median_variance = math.fsum(v * w * w for w, v in middle) / len(middle) ** 2 / median**2
         scores.append(round(own / median, 3))
         logs.append((math.log(own / median), spreads[r] + median_variance))
     return scores, logs
 
 
-def between_windows(logs: Sequence[float]) -> float:
-    """The variance of a rank's log score from one window to the next, from successive differences
-    (half their mean square): a level that shifts once, as when a rank turns slow for good, adds one
-    difference, where alternating episodes of load add one at every turn."""
-    values = list(logs)
-    if len(values) < 2:
-        return 0.0
-    return math.fsum([(b - a) ** 2 for a, b in itertools.pairwise(values)]) / (2 * (len(values) - 1))
+class ScoreHistory:
+    """Each rank's log scores over the last ``HISTORY_WINDOWS`` windows, and the variance of its
+    score from one window to the next, from successive differences (half their mean square): a
+    level that shifts once, as when a rank turns slow for good, adds one difference, where
+    alternating episodes of load add one at every turn. The squares' sum is kept as the windows come
+    (a few operations a window, no pass over the history)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.scores = [deque[float](maxlen=HISTORY_WINDOWS) for _ in range(world_size)]
+        self.windows = 0
+        """How many windows the history holds (at most ``HISTORY_WINDOWS``)."""
+        self._squares = [0.0] * world_size
+
+    def add(self, logs: Sequence[Log]) -> float:
+        """A window's log scores; returns the ranks' mean variance from window to window."""
+        full, squares, total = self.windows == HISTORY_WINDOWS, self._squares, 0.0
+        for r, (log_ratio, _) in enumerate(logs):
+            history = self.scores[r]
+            if self.windows:
+                if full:  # the oldest difference leaves with the oldest score
+                    squares[r] -= (history[1] - history[0]) ** 2
+                squares[r] += (log_ratio - history[-1]) ** 2
+                if squares[r] < 0:  # what rounding left of differences that all left
+                    squares[r] = 0.0
+                total += squares[r]
+            history.append(log_ratio)
+        if not full:
+            self.windows += 1
+        return total / (2 * (self.windows - 1)) / len(logs) if self.windows > 1 else 0.0
+
+    def between(self, rank: int) -> float:
+        return self._squares[rank] / (2 * (self.windows - 1)) if self.windows > 1 else 0.0

@@ -42,10 +42,13 @@ LEFT, INSIDE, WAITING = 0, 1, 2
 """A record's ``inside``: the call was left; the rank is in it; it is in it and the call waits for
 the other ranks (a gradient sync, an all-reduce: it counts in ``collectives``)."""
 
-RECORD = struct.Struct("<qqqqqqq")
-"""pid, beats, optimizer step, micro-step, phase, inside, collectives entered. No time: a rank writes a
-record at every phase of its step, and a clock read there would cost more than the write; the node's
-watch notes when it first saw each record (``Progress.time``)."""
+RECORD = struct.Struct("=qqqqqqq")
+"""pid, beats, optimizer step, micro-step, phase, inside, collectives entered: seven 64-bit words in
+the node's own byte order (the record never leaves its node). No time: a rank writes a record at every
+phase of its step, and a clock read there would cost more than the write; the node's watch notes when
+it first saw each record (``Progress.time``)."""
+PID, BEATS, STEP, MICRO, PHASE, WHERE, COLLECTIVES = range(7)
+"""The record's words, for a writer that stores them one by one."""
 
 STATES = {
     "R": "running",

@@ -2,9 +2,9 @@
 
 A rank writes a fixed-size record into a small shared-memory file when it enters and leaves each of
 the engine's calls: its optimizer step and micro-step, the call, how many of the engine's collectives
-it has entered (the watch notes when each record appeared). That is a ``struct.pack_into`` into one
-page of memory — no system call, no clock read, and no collective that could itself hang. The node's watch (``hangwatch``, a process of its
-own started by the node's lowest rank) reads the records and decides, with the other nodes'
+it has entered (the watch notes when each record appeared). That is a few stores into one page of
+shared memory — no system call, no clock read, and no collective that could itself hang. The node's
+watch (``hangwatch``, a process of its own started by the node's lowest rank) reads the records and decides, with the other nodes'
 watches, when the job has stopped making progress.
 """
 
@@ -34,14 +34,21 @@ from spikingsail.errors import SailError
 from spikingsail.monitor import board
 from spikingsail.monitor.hangreport import (
     BACKWARD,
+    BEATS,
     CLOSED,
+    COLLECTIVES,
     FORWARD,
     INSIDE,
     LEFT,
+    MICRO,
     OPTIMIZER,
+    PHASE,
+    PID,
     READY,
     RECORD,
+    STEP,
     WAITING,
+    WHERE,
 )
 from spikingsail.monitor.hangwatch import Spec
 
@@ -57,66 +64,67 @@ class Heartbeat:
         self._file.write(bytes(RECORD.size))
         self._file.flush()
         self._map = mmap.mmap(self._file.fileno(), RECORD.size)
-        self._pid = os.getpid()
-        self._beats = 0
-        self._step = self._micro = 0
-        self._phase = READY
-        self._collectives = 0
+        self._words = memoryview(self._map).cast("q")
+        """The record's words (``hangreport.PID`` …): a store is a write into the shared page."""
+        self._words[PID] = os.getpid()
         self._stacks: IO[str] | None = None
         if stack_path is not None:  # no py-spy on this node: faulthandler answers the watch
             self._stacks = stack_path.open("w")
             faulthandler.register(STACK_SIGNAL, file=self._stacks, all_threads=True)
-        self._write(LEFT)
+        self._write(READY, LEFT)
 
-    def _write(self, inside: int) -> None:
-        self._beats += 1
-        RECORD.pack_into(self._map, 0, self._pid, self._beats, self._step, self._micro, self._phase,
-                         inside, self._collectives)  # fmt: skip
+    def _write(self, phase: int, inside: int) -> None:
+        words = self._words
+        words[PHASE], words[WHERE] = phase, inside
+        words[BEATS] += 1
 
     def enter(self, phase: int, *, collective: bool = False) -> None:
         """Entering an engine call; ``collective``: one that waits for the other ranks."""
-        self._phase = phase
         if collective:
-            self._collectives += 1
-        self._write(WAITING if collective else INSIDE)
+            self._words[COLLECTIVES] += 1
+        self._write(phase, WAITING if collective else INSIDE)
 
     def leave(self, step: int, micro_step: int) -> None:
-        self._step, self._micro = step, micro_step
-        self._write(LEFT)
+        words = self._words
+        words[STEP], words[MICRO], words[WHERE] = step, micro_step, LEFT
+        words[BEATS] += 1
 
-    # The engine's step hooks (``engine/hooks.py``): a training micro-step passes six, so each writes
-    # its record itself (two calls: the hook and the write). ``counters`` (the engine's step counters) says where a rank leaves a call.
+    # The engine's step hooks (``engine/hooks.py``): a training micro-step passes six, so each stores
+    # its words itself, with no call of its own. ``counters`` (the engine's step counters) says where
+    # a rank leaves a call. A boundary's backward and step wait for the other ranks (WAITING is
+    # INSIDE + 1) and count as a collective.
 
     counters: Any = None
 
     def forward_begin(self) -> None:
-        self._phase, self._beats = FORWARD, self._beats + 1
-        RECORD.pack_into(self._map, 0, self._pid, self._beats, self._step, self._micro, FORWARD, INSIDE,
-                         self._collectives)  # fmt: skip
+        words = self._words
+        words[PHASE], words[WHERE] = FORWARD, INSIDE
+        words[BEATS] += 1
 
     def backward_begin(self, _loss: object, boundary: bool) -> None:
-        self._phase, self._beats, self._collectives = BACKWARD, self._beats + 1, self._collectives + boundary
-        RECORD.pack_into(self._map, 0, self._pid, self._beats, self._step, self._micro, BACKWARD,
-                         WAITING if boundary else INSIDE, self._collectives)  # fmt: skip
+        words = self._words
+        words[PHASE], words[WHERE] = BACKWARD, INSIDE + boundary
+        words[COLLECTIVES] += boundary
+        words[BEATS] += 1
 
     def step_begin(self, boundary: bool) -> None:
-        self._phase, self._beats, self._collectives = OPTIMIZER, self._beats + 1, self._collectives + boundary
-        RECORD.pack_into(self._map, 0, self._pid, self._beats, self._step, self._micro, OPTIMIZER,
-                         WAITING if boundary else INSIDE, self._collectives)  # fmt: skip
+        words = self._words
+        words[PHASE], words[WHERE] = OPTIMIZER, INSIDE + boundary
+        words[COLLECTIVES] += boundary
+        words[BEATS] += 1
 
     def forward_end(self, _boundary: bool = False) -> None:
-        counters = self.counters
-        self._step, self._micro, self._beats = counters.global_steps, counters.micro_steps, self._beats + 1
-        RECORD.pack_into(self._map, 0, self._pid, self._beats, self._step, self._micro, self._phase, LEFT,
-                         self._collectives)  # fmt: skip
+        words, counters = self._words, self.counters
+        words[STEP], words[MICRO], words[WHERE] = counters.global_steps, counters.micro_steps, LEFT
+        words[BEATS] += 1
 
     backward_end = step_end = forward_end
 
     def close(self) -> None:
         if self._map.closed:
             return
-        self._phase = CLOSED
-        self._write(LEFT)
+        self._write(CLOSED, LEFT)
+        self._words.release()
         self._map.close()
         self._file.close()
         if self._stacks is not None:

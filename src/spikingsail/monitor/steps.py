@@ -1,8 +1,8 @@
 """What the engine reports after optimizer steps: a progress bar, log lines, a JSONL file.
 
-Only rank 0 reports, through the engine's step hooks (``engine/hooks.py``): it keeps the losses of
-the steps it will report and builds a record only for them, so a step that reports nothing costs
-two calls; a loss is read back from the device (a synchronisation on GPUs) only on the steps that
+Only rank 0 reports, through the engine's step hooks (``engine/hooks.py``): it builds a record only
+for the steps it reports (with gradient accumulation it keeps their micro-batches' losses), so a step
+that reports nothing costs one call (two with accumulation); a loss is read back from the device (a synchronisation on GPUs) only on the steps that
 print it, or on every step when a metrics file is configured.
 """
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from spikingsail.engine.hooks import StepNotes
 
 log = logging.getLogger(__name__)
+_PROGRESS = "step %d  loss %s  lr %.3g  %.0f samples/s%s%s"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -71,38 +72,29 @@ class StepMonitor:
             self._metrics = path.open("a", buffering=1)
         self.trackers = trackers or []
         self._every_step = self._bar is not None or self._metrics is not None or bool(self.trackers)
-        self._losses: list[torch.Tensor] = []
-        self._recording = self.wants(1)
-        self._accumulation = 1
         self._lr: Callable[[], float] = lambda: 0.0
         self._loss_scale: Callable[[], float] = lambda: 1.0
 
-    def attach(self, *, accumulation: int, lr: Callable[[], float], loss_scale: Callable[[], float]) -> None:
-        """What the records read from the engine: the accumulation window (a step's loss is the mean of
-        its micro-batches'), the learning rate and the loss scale."""
-        self._accumulation, self._lr, self._loss_scale = accumulation, lr, loss_scale
+    def attach(self, *, lr: Callable[[], float], loss_scale: Callable[[], float]) -> None:
+        """What the records read from the engine: the learning rate and the loss scale."""
+        self._lr, self._loss_scale = lr, loss_scale
 
-    # The engine's step hooks, registered on rank 0 only.
+    # The engine's step hooks, registered on rank 0 only: a record at every ``period``-th step.
+    # Without accumulation a step's loss is the one its notes carry; ``AccumulatedLossMonitor``
+    # keeps the micro-batches' losses.
 
-    def backward_begin(self, loss: torch.Tensor, _boundary: bool) -> None:
-        if self._recording:
-            accumulation = self._accumulation
-            self._losses.append(loss.detach() / accumulation if accumulation > 1 else loss.detach())
+    @property
+    def period(self) -> int:
+        return 1 if self._every_step else self.steps_per_print
 
-    def discarded(self) -> None:
-        self._losses = []
+    def period_end(self, notes: StepNotes) -> None:
+        self.on_step(StepRecord(
+            step=notes.step, loss=self._step_loss(notes), lr=self._lr(), loss_scale=self._loss_scale(),
+            skipped=notes.skipped, balance=notes.balance, stragglers=notes.stragglers,
+        ))  # fmt: skip
 
-    def optimizer_end(self, notes: StepNotes) -> None:
-        step, losses = notes.step, self._losses
-        if self._every_step or step % self.steps_per_print == 0:
-            self.on_step(StepRecord(
-                step=step, loss=torch.stack(losses).float().sum() if losses else None, lr=self._lr(),
-                loss_scale=self._loss_scale(), skipped=notes.skipped, balance=notes.balance,
-                stragglers=notes.stragglers,
-            ))  # fmt: skip
-        if losses:
-            self._losses = []
-        self._recording = self._every_step or (step + 1) % self.steps_per_print == 0
+    def _step_loss(self, notes: StepNotes) -> torch.Tensor | None:
+        return None if notes.loss is None else notes.loss.detach().float()
 
     def wants(self, step: int) -> bool:
         return self.enabled and (self._every_step or step % self.steps_per_print == 0)
@@ -140,15 +132,19 @@ class StepMonitor:
                     loss=f"{loss:.4f}", samples_per_s=f"{throughput:.0f}", **extra, refresh=False
                 )
             return
-        log.info(
-            "step %d  loss %s  lr %.3g  %.0f samples/s%s%s",
-            record.step,
-            "n/a" if loss is None else f"{loss:.4f}",
-            record.lr,
-            throughput,
-            f"  slowest {self._slowest}" if self._slowest else "",
-            "  (skipped: fp16 overflow)" if record.skipped else "",
-        )
+        if log.isEnabledFor(logging.INFO):
+            # the record logging.info would make, less its search of the stack for the calling line
+            # (most of what a line costs): it names this function, at line 0
+            args = (
+                record.step,
+                "n/a" if loss is None else f"{loss:.4f}",
+                record.lr,
+                throughput,
+                f"  slowest {self._slowest}" if self._slowest else "",
+                "  (skipped: fp16 overflow)" if record.skipped else "",
+            )
+            line = log.makeRecord(log.name, logging.INFO, __file__, 0, _PROGRESS, args, None, "on_step")
+            log.handle(line)
 
     def _write_metrics(self, record: StepRecord, loss: float | None, throughput: float) -> None:
         assert self._metrics is not None
@@ -204,6 +200,32 @@ class StepMonitor:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+
+
+class AccumulatedLossMonitor(StepMonitor):
+    """The monitor of a run with gradient accumulation: a step's loss is the mean of its
+    micro-batches', kept at each backward of the steps it reports."""
+
+    def __init__(self, *, accumulation: int, **monitor: Any) -> None:
+        super().__init__(**monitor)
+        self._accumulation = accumulation
+        self._losses: list[torch.Tensor] = []
+        self._kept: list[torch.Tensor] = []  # the losses of the step that just ended
+        self._recording = self.wants(1)
+
+    def backward_begin(self, loss: torch.Tensor, _boundary: bool) -> None:
+        if self._recording:
+            self._losses.append(loss.detach() / self._accumulation)
+
+    def discarded(self) -> None:
+        self._losses = []
+
+    def optimizer_end(self, notes: StepNotes) -> None:
+        self._kept, self._losses = self._losses, []
+        self._recording = self._every_step or (notes.step + 1) % self.steps_per_print == 0
+
+    def _step_loss(self, notes: StepNotes) -> torch.Tensor | None:
+        return torch.stack(self._kept).float().sum() if self._kept else None
 
 
 def _scalars(record: StepRecord, loss: float | None, samples_per_sec: float) -> dict[str, float]:

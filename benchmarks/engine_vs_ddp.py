@@ -197,10 +197,9 @@ def fabric_loop(base: nn.Module) -> Step | None:
         from lightning.fabric import Fabric
     except ImportError:
         return None
-    fabric = Fabric(
-        accelerator="cpu", devices=1, strategy="ddp"
-    )  # the job's own group, as torchrun starts it
-    fabric._strategy._setup_distributed = lambda: None  # type: ignore[attr-defined]
+    # under torchrun, as Fabric's docs start it: launch() starts no process and joins the job's group
+    fabric = Fabric(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy="ddp")
+    fabric.launch()
     model, optimizer = fabric.setup(base, torch.optim.SGD(base.parameters(), lr=0.01))
 
     def fabric_step(x: torch.Tensor, y: torch.Tensor) -> None:

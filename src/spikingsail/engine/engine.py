@@ -133,7 +133,7 @@ class Engine(DeepSpeedNames):
         self.heartbeat = features.hang_watch(config, rank_info, self.counters, self.log_dir, closing)
         self.monitor = features.monitor(config, rank_info, self.log_dir, closing)
         self.monitor.attach(
-            lr=lambda: self.optimizer.param_groups[0]["lr"], loss_scale=lambda: self.loss_scale
+            lr=lambda: float(self.optimizer.param_groups[0]["lr"]), loss_scale=lambda: self.loss_scale
         )
         overflows = features.Overflows(lambda: self.loss_scale)
         stragglers = features.straggler_watch(config, rank_info, self.module, self.device, backend, closing)

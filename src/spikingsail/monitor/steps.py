@@ -1,9 +1,10 @@
 """What the engine reports after optimizer steps: a progress bar, log lines, a JSONL file.
 
-Only rank 0 reports, through the engine's step hooks (``engine/hooks.py``): it builds a record only
-for the steps it reports (with gradient accumulation it keeps their micro-batches' losses), so a step
-that reports nothing costs one call (two with accumulation); a loss is read back from the device (a synchronisation on GPUs) only on the steps that
-print it, or on every step when a metrics file is configured.
+Only rank 0 reports, through the engine's step hooks (``engine/hooks.py``): at the steps it reports
+(``period_end``), so a step that reports nothing costs no call (one, with gradient accumulation,
+which keeps the micro-batches' losses of the steps it will report); a loss is read back from the
+device (a synchronisation on GPUs) only on the steps that print it, or on every step when a metrics
+file is configured.
 """
 
 from __future__ import annotations

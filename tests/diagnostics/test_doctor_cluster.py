@@ -4,7 +4,9 @@ Each fault is made the way it happens on a real cluster — node2's sshd restart
 authorized_keys, password logins or StrictModes; node2's mount namespace given a 1 MiB /dev/shm,
 another torch or spikingsail version file, or a stale extension cache; node2's processes pinned to one
 core; a process holding, or a firewall dropping, the rendezvous port on node1 — and the doctor must
-name the node and the fix. Node2 is put back to health after each test.
+name the node and the fix. Node2 is put back to health after each test. Faults that different
+checks find (node2's versions, its /dev/shm and its extension cache) share one run, which each of
+their tests judges.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -211,9 +214,20 @@ def _patched_copy(original: Path, tmp_path: Path, old: str, new: str) -> Path:
     return patched
 
 
-def test_another_torch_and_spikingsail_version_on_one_node(
-    cluster: NamespaceCluster, node2: Restart, tmp_path: Path
-) -> None:
+@dataclass(frozen=True)
+class NodeFaults:
+    code: int
+    report: dict[str, Any]
+    sail_version: str
+    cache: Path
+
+
+@pytest.fixture(scope="module")
+def node2_faults(_cluster_session: NamespaceCluster, tmp_path_factory: pytest.TempPathFactory) -> NodeFaults:
+    """One doctor run with node2's torch and spikingsail version files replaced, a 1 MiB /dev/shm
+    and a stale op in its extension cache (each judged by another check); node2 is healthy again
+    before any test sees the report."""
+    cluster, tmp_path = _cluster_session, tmp_path_factory.mktemp("node2-faults")
     version_py = Path(torch.__file__).with_name("version.py").resolve()
     fake_torch = _patched_copy(version_py, tmp_path, f"'{torch.__version__}'", "'2.12.0+cpu'")
     metadata = Path(str(importlib.metadata.distribution("spikingsail").locate_file(""))) / (
@@ -221,8 +235,25 @@ def test_another_torch_and_spikingsail_version_on_one_node(
     )
     mine = importlib.metadata.version("spikingsail")
     fake_sail = _patched_copy(metadata.resolve(), tmp_path, f"Version: {mine}\n", "Version: 0.0.9\n")
-    node2(prelude=f"mount --bind {fake_torch} {version_py} && mount --bind {fake_sail} {metadata.resolve()}")
-    code, report, _ = doctor(cluster, tmp_path)
+    cache = Path(os.environ["TORCH_EXTENSIONS_DIR"])  # shipped to the nodes like every TORCH_* variable
+    stale = tmp_path / "stale-cache"
+    _stale_op(stale / "fused_adam")
+    mounts = [
+        f"mount --bind {fake_torch} {version_py}",
+        f"mount --bind {fake_sail} {metadata.resolve()}",
+        "mount -t tmpfs -o size=1m tmpfs /dev/shm",
+        f"mount --bind {shlex.quote(str(stale))} {shlex.quote(str(cache.resolve()))}",
+    ]
+    cluster.start_sshd("node2", prelude=" && ".join(mounts))
+    try:
+        code, report, _ = doctor(cluster, tmp_path)
+    finally:
+        cluster.start_sshd("node2")
+    return NodeFaults(code=code, report=report, sail_version=mine, cache=cache)
+
+
+def test_another_torch_and_spikingsail_version_on_one_node(node2_faults: NodeFaults) -> None:
+    code, report, mine = node2_faults.code, node2_faults.report, node2_faults.sail_version
     assert code == 1
     torch_mismatch, sail_mismatch = sorted(
         findings(report, "versions", "node2"), key=lambda f: f["detail"][:5] != "torch"
@@ -322,15 +353,8 @@ def test_more_slots_asked_than_the_hostfile_has(cluster: NamespaceCluster, tmp_p
     assert "Traceback" not in result.stderr
 
 
-def test_a_tiny_dev_shm_and_a_stale_extension_cache(
-    cluster: NamespaceCluster, node2: Restart, tmp_path: Path
-) -> None:
-    cache = Path(os.environ["TORCH_EXTENSIONS_DIR"])  # shipped to the nodes like every TORCH_* variable
-    stale = tmp_path / "stale-cache"
-    _stale_op(stale / "fused_adam")
-    node2(prelude="mount -t tmpfs -o size=1m tmpfs /dev/shm && "
-                  f"mount --bind {shlex.quote(str(stale))} {shlex.quote(str(cache.resolve()))}")  # fmt: skip
-    code, report, _ = doctor(cluster, tmp_path)
+def test_a_tiny_dev_shm_and_a_stale_extension_cache(node2_faults: NodeFaults) -> None:
+    code, report, cache = node2_faults.code, node2_faults.report, node2_faults.cache
     assert code == 1
     (shm,) = findings(report, "/dev/shm", "node2")
     assert shm["status"] == "fail" and shm["detail"].startswith("is 1.0 MiB"), shm

@@ -2,12 +2,14 @@
 
 Every node is reached the way `sail launch` reaches it (ssh in BatchMode, the same options, Python,
 working directory and shipped environment). The first node also holds the rendezvous port open
-while the other nodes try to connect to it, so "free" and "reachable" are measured, not guessed.
+while the other nodes try to connect to it, so "free" and "reachable" are measured, not guessed;
+it lets the port go as soon as the other nodes' probes are done.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -56,16 +58,31 @@ def probe_nodes(request: LaunchRequest, timeout: float) -> list[ProbeResult]:
     wait = min(timeout / 4, 10.0)  # peers reach a free port at once; a firewall makes them wait it out
     env = remote_env(request.env)
 
+    peers_done = threading.Event()
+    pending = [others]
+    lock = threading.Lock()
+
     def probe(index: int) -> ProbeResult:
         node = request.nodes[index]  # type: ignore[index]
         if index == 0:
             args = ["--port", str(port), "--expect", str(others), "--listen-seconds", str(wait + 5)]
-        else:
-            args = ["--connect", f"{host}:{port}", "--connect-seconds", str(wait)]
-        return run_on(node.host, request.ssh, env, args, timeout)
+            return run_on(node.host, request.ssh, env, [*args, "--stop-on-eof"], timeout, hold=peers_done)
+        try:
+            return run_on(node.host, request.ssh, env, ["--connect", f"{host}:{port}", "--connect-seconds",
+                                                         str(wait)], timeout)  # fmt: skip
+        finally:
+            with lock:
+                pending[0] -= 1
+                if pending[0] == 0:
+                    peers_done.set()
 
-    with ThreadPoolExecutor(max_workers=min(32, len(request.nodes))) as pool:
-        return list(pool.map(probe, range(len(request.nodes))))
+    if not others:
+        peers_done.set()
+    try:
+        with ThreadPoolExecutor(max_workers=min(32, len(request.nodes))) as pool:
+            return list(pool.map(probe, range(len(request.nodes))))
+    finally:
+        peers_done.set()
 
 
 def node_report(request: LaunchRequest, here: Facts, results: list[ProbeResult], report: Report) -> None:

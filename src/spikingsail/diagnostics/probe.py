@@ -1,14 +1,15 @@
 """Facts about one machine, as JSON: what ``sail doctor`` judges.
 
 This file is a standalone script that needs only the standard library. The doctor runs it with the
-Python that training uses — on this machine as ``python - < probe.py``, on other nodes the same way
-over ssh — so it works when spikingsail is missing or another version on a node, and when torch
-itself does not import (the import error is a fact, not a crash). It prints one line,
-``SAIL_PROBE {json}``, last; anything a library prints before it is ignored.
+Python that training uses — on this machine, its source given on stdin (``collect.py``), on other
+nodes the same way over ssh — so it works when spikingsail is missing or another version on a
+node, and when torch itself does not import (the import error is a fact, not a crash). It prints
+one line, ``SAIL_PROBE {json}``, last; anything a library prints before it is ignored.
 
 Options: ``--port P`` checks that P can be bound here and keeps it open for ``--listen-seconds``
-(until ``--expect`` peers have connected); ``--connect HOST:PORT`` tries to reach such a listener
-for ``--connect-seconds``.
+(until ``--expect`` peers have connected, or with ``--stop-on-eof`` until stdin ends: the doctor
+closes it once every other node is done); ``--connect HOST:PORT`` tries to reach such a listener
+for ``--connect-seconds`` (packets dropped ``DROPPED_AFTER`` times in a row end it sooner).
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ PACKAGES = ("spikingsail", "torch", "numpy", "deepspeed", "horovod", "mpi4py", "
 ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TORCH_EXTENSIONS_DIR",
             "LD_LIBRARY_PATH", "LD_PRELOAD", "DS_ACCELERATOR", "TORCH_CUDA_ARCH_LIST")  # fmt: skip
 _TAG = re.compile(r"^py\d+\w*_(cpu|cu\d+|rocm\d+)$")
+CONNECT_SECONDS = 2.0
+"""How long one connection attempt to the rendezvous port waits for an answer."""
+DROPPED_AFTER = 2
+"""Attempts in a row without an answer that mean a firewall drops the packets: a port nothing
+listens on yet is refused at once."""
 Facts = dict[str, Any]
 
 
@@ -292,6 +298,9 @@ def deepspeed_facts(torch_info: Facts) -> Facts | None:
         return None
     if not torch_info.get("cuda_available"):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as SpikingSail's deepspeed backend does
+    # DeepSpeed's autotuner imports MLflow where it is installed (a second of the node's CPU, and
+    # imported only to log tuning runs); DeepSpeed imports without it
+    sys.modules.setdefault("mlflow", None)  # type: ignore[arg-type]
     try:
         with contextlib.redirect_stdout(sys.stderr):
             from deepspeed.accelerator import get_accelerator
@@ -385,10 +394,13 @@ def network_facts() -> Facts:
 class PortCheck:
     """Bind the port now (is it free?) and accept peers in the background until told to stop."""
 
-    def __init__(self, port: int, expect: int, seconds: float) -> None:
+    def __init__(self, port: int, expect: int, seconds: float, stop_on_eof: bool = False) -> None:
         self.facts: Facts = {"port": port, "free": False, "error": None, "accepted": 0}
         self.deadline = time.monotonic() + seconds
         self.expect = expect
+        self.stop = threading.Event()
+        if stop_on_eof:
+            threading.Thread(target=self._until_eof, daemon=True).start()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore does
         try:
@@ -402,9 +414,17 @@ class PortCheck:
         self.thread = threading.Thread(target=self._accept, daemon=True)
         self.thread.start()
 
+    def _until_eof(self) -> None:
+        sys.stdin.buffer.read()
+        self.stop.set()
+
     def _accept(self) -> None:
         self.sock.settimeout(0.2)
-        while self.facts["accepted"] < self.expect and time.monotonic() < self.deadline:
+        while (
+            self.facts["accepted"] < self.expect
+            and time.monotonic() < self.deadline
+            and not self.stop.is_set()
+        ):
             with contextlib.suppress(TimeoutError):
                 self.sock.accept()[0].close()
                 self.facts["accepted"] += 1
@@ -432,14 +452,16 @@ class ConnectCheck:
         except OSError:
             self.facts["error"] = "unresolved"
             return
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
+        deadline, dropped = time.monotonic() + seconds, 0
+        while time.monotonic() < deadline and dropped < DROPPED_AFTER:
             try:
-                socket.create_connection((self.facts["address"], port), timeout=2).close()
+                socket.create_connection((self.facts["address"], port), timeout=CONNECT_SECONDS).close()
             except TimeoutError:
                 self.facts["error"] = "timeout"
+                dropped += 1
             except OSError as err:
                 self.facts["error"] = errno.errorcode.get(err.errno or 0, str(err))
+                dropped = 0
                 time.sleep(0.2)
             else:
                 self.facts.update(ok=True, error=None)
@@ -451,7 +473,7 @@ class ConnectCheck:
 
 
 def collect(args: argparse.Namespace) -> Facts:
-    port = PortCheck(args.port, args.expect, args.listen_seconds) if args.port else None
+    port = PortCheck(args.port, args.expect, args.listen_seconds, args.stop_on_eof) if args.port else None
     connect = ConnectCheck(args.connect, args.connect_seconds) if args.connect else None
     torch_info = torch_facts()
     facts: Facts = {
@@ -473,6 +495,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int)
     parser.add_argument("--expect", type=int, default=0)
     parser.add_argument("--listen-seconds", type=float, default=0.0)
+    parser.add_argument("--stop-on-eof", action="store_true")
     parser.add_argument("--connect")
     parser.add_argument("--connect-seconds", type=float, default=10.0)
     facts = collect(parser.parse_args(argv))

@@ -46,17 +46,23 @@ def agent_argv(request: LaunchRequest, node: Node, rdzv: Rendezvous) -> list[str
 
 def leftover_cleanup(rdzv: Rendezvous, env_file: EnvFile | None = None) -> str:
     """A shell line for a node whose connection was cut: the job's torchrun agents get
-    ``AGENT_GRACE_SECONDS`` to stop their workers on the hang-up, then whatever is left of them,
-    agents and workers, is killed and named. An environment file the agent never read is removed.
+    ``AGENT_GRACE_SECONDS`` to stop their workers on the hang-up, and once no agent has a worker
+    left, a second to end by themselves; then whatever is left of them, agents and workers, is
+    killed and named. An environment file the agent never read is removed.
 
     An agent answers a hang-up only between Python calls. One waiting in torchrun's exit barrier
     for an agent that failed (and so never arrives) sits in a store wait for 300 s, holding the
-    rendezvous port. The agents are found by the job's rendezvous id on their command line.
+    rendezvous port, its workers long gone. The agents are found by the job's rendezvous id on
+    their command line; a worker by its agent (a zombie one, not reaped yet, has ended).
     """
     pattern = _agent_pattern(rdzv)
     ticks = AGENT_GRACE_SECONDS * 2
     script = (
-        f"i=0; while pgrep -f -- {pattern} >/dev/null && [ $i -lt {ticks} ]; do sleep 0.5; i=$((i+1)); done; "
+        f"working() {{ for p in $(pgrep -f -- {pattern}); do for c in $(pgrep -P $p); do "
+        "grep -qs '^State:[[:space:]]*[^Z[:space:]]' /proc/$c/status && return 0; done; done; return 1; }; "
+        f"i=0; while working && [ $i -lt {ticks} ]; do sleep 0.5; i=$((i+1)); done; "
+        f"j=0; while pgrep -f -- {pattern} >/dev/null && [ $j -lt 2 ] && [ $i -lt {ticks} ]; do "
+        "sleep 0.5; i=$((i+1)); j=$((j+1)); done; "
         f"for p in $(pgrep -f -- {pattern}); do pkill -KILL -P $p; kill -KILL $p && "
         'echo "killed torchrun agent $p on $(hostname): it did not stop on the hang-up"; '
         "done; true"

@@ -13,7 +13,8 @@ import pytest
 
 from tests.examples.test_examples import ROOT, sail_launch
 
-pytestmark = pytest.mark.multiprocess
+# beside the cluster's tests (lane2): keeps scripts/test.sh's two lanes about even
+pytestmark = [pytest.mark.multiprocess, pytest.mark.lane2]
 SCRIPT = str(ROOT / "examples" / "train_digits.py")
 
 

@@ -188,7 +188,9 @@ class Engine(DeepSpeedNames):
         """Backpropagate ``loss`` averaged over the accumulation window (and scaled for fp16), weighed
         by its batch's share of the step where shares differ."""
         boundary = (self.counters.micro_steps + 1) % self.counters.accumulation == 0
-        self._notes.loss = loss
+        # its value, not its graph: the engine lives until the interpreter's exit (gc.freeze), and a
+        # graph freed then can take DDP's reducer hooks down with the group's threads still running
+        self._notes.loss = loss.data
         for begin in self.hooks.backward_begin:
             begin(loss, boundary)
         self._backward(self.split.weigh(loss) if self.split.weighs else loss)
@@ -429,6 +431,7 @@ class Engine(DeepSpeedNames):
         if self._closed:
             return
         self._closed = True
+        self._notes.loss = None
         atexit.unregister(self._close_at_exit)
         self._closing.close()  # a background save's failure is raised once everything is down
 

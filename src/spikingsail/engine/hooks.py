@@ -50,7 +50,8 @@ _REVERSED = frozenset(name for name in EVENTS if name.endswith("_end"))
 class StepNotes:
     """What an optimizer step's features hand each other at ``optimizer_end`` (one object, reused):
     the step, whether fp16 skipped it, and what ``balance`` and the straggler breakdown found; and,
-    from ``backward`` on, the loss of the step's last backward (its only one without accumulation)."""
+    from ``backward`` on, the value of the step's last backward's loss (its only one without
+    accumulation), without its graph."""
 
     step: int = 0
     skipped: bool = False

@@ -95,7 +95,7 @@ class StepMonitor:
         ))  # fmt: skip
 
     def _step_loss(self, notes: StepNotes) -> torch.Tensor | None:
-        return None if notes.loss is None else notes.loss.detach().float()
+        return None if notes.loss is None else notes.loss.float()
 
     def wants(self, step: int) -> bool:
         return self.enabled and (self._every_step or step % self.steps_per_print == 0)

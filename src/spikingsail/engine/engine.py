@@ -188,8 +188,8 @@ class Engine(DeepSpeedNames):
         """Backpropagate ``loss`` averaged over the accumulation window (and scaled for fp16), weighed
         by its batch's share of the step where shares differ."""
         boundary = (self.counters.micro_steps + 1) % self.counters.accumulation == 0
-        # its value, not its graph: the engine lives until the interpreter's exit (gc.freeze), and a
-        # graph freed then can take DDP's reducer hooks down with the group's threads still running
+        # its value, not its graph: the engine lives until the interpreter's exit (gc.freeze), and
+        # nothing of a step's autograd graph should be left to free then
         self._notes.loss = loss.data
         for begin in self.hooks.backward_begin:
             begin(loss, boundary)

@@ -1,6 +1,7 @@
 """Where the engine's optional features are made from the config, each with what closes it: the hang
-watch's heartbeat, the monitor and its trackers, the straggler breakdown, fp16's overflow warning. The engine adds the ones
-that are on to its step hooks (``engine/hooks.py``) and their closing to its close stack."""
+watch's heartbeat, the monitor and its trackers, the straggler breakdown, fp16's overflow warning.
+The engine adds the ones that are on to its step hooks (``engine/hooks.py``) and their closing to
+its close stack."""
 
 from __future__ import annotations
 

@@ -72,7 +72,10 @@ class StepMonitor:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._metrics = path.open("a", buffering=1)
         self.trackers = trackers or []
-        self._every_step = self._bar is not None or self._metrics is not None or bool(self.trackers)
+        every_step = self._bar is not None or self._metrics is not None or bool(self.trackers)
+        self.period = 1 if every_step else steps_per_print
+        """A record at every ``period``-th optimizer step (``period_end``): each step where a bar,
+        a metrics file or a tracker takes them."""
         self._lr: Callable[[], float] = lambda: 0.0
         self._loss_scale: Callable[[], float] = lambda: 1.0
 
@@ -84,10 +87,6 @@ class StepMonitor:
     # Without accumulation a step's loss is the one its notes carry; ``AccumulatedLossMonitor``
     # keeps the micro-batches' losses.
 
-    @property
-    def period(self) -> int:
-        return 1 if self._every_step else self.steps_per_print
-
     def period_end(self, notes: StepNotes) -> None:
         self.on_step(StepRecord(
             step=notes.step, loss=self._step_loss(notes), lr=self._lr(), loss_scale=self._loss_scale(),
@@ -96,9 +95,6 @@ class StepMonitor:
 
     def _step_loss(self, notes: StepNotes) -> torch.Tensor | None:
         return None if notes.loss is None else notes.loss.float()
-
-    def wants(self, step: int) -> bool:
-        return self.enabled and (self._every_step or step % self.steps_per_print == 0)
 
     def on_step(self, record: StepRecord) -> None:
         now = time.perf_counter()
@@ -212,7 +208,7 @@ class AccumulatedLossMonitor(StepMonitor):
         self._accumulation = accumulation
         self._losses: list[torch.Tensor] = []
         self._kept: list[torch.Tensor] = []  # the losses of the step that just ended
-        self._recording = self.wants(1)
+        self._recording = self.period == 1  # whether the first step is reported
 
     def backward_begin(self, loss: torch.Tensor, _boundary: bool) -> None:
         if self._recording:
@@ -223,7 +219,7 @@ class AccumulatedLossMonitor(StepMonitor):
 
     def optimizer_end(self, notes: StepNotes) -> None:
         self._kept, self._losses = self._losses, []
-        self._recording = self._every_step or (notes.step + 1) % self.steps_per_print == 0
+        self._recording = (notes.step + 1) % self.period == 0
 
     def _step_loss(self, notes: StepNotes) -> torch.Tensor | None:
         return torch.stack(self._kept).float().sum() if self._kept else None

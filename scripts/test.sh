@@ -6,19 +6,19 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$root/scripts/install.sh"  # what the Dockerfile's image runs: system packages, pinned environment
 cd "$root"
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
-.venv/bin/mypy
-# the docs site: any warning (a broken link or anchor, a reference the generator cannot fill) fails
-NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
+lint() {  # ruff, mypy and the docs site (any warning fails: a broken link or anchor, an unfilled reference)
+  .venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy &&
+    NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
+}
 # The tests run in two lanes, each a pytest process of its own (the machine's two cores): the namespace
-# cluster's tests (they share its one cluster) and those marked lane2 beside all the others; then the
-# `alone` tests (heartbeats, stall limits) with no other kind beside them, those marked lane2 in the
-# second lane; then the `speed` tests (the ranks' measured speeds) with nothing beside them at all.
-# SAIL_TEST_SERIAL=1 runs everything in one pytest process. A -m EXPR of the caller's narrows every run;
-# they share one matrix sample (SAIL_MATRIX_SEED replays one).
+# cluster's tests (they share its one cluster) and those marked lane2 beside all the others, the lint
+# beside them; then the `alone` tests (heartbeats, stall limits) with no other kind beside them, in
+# three lanes (those marked lane2, those marked lane3, the others: they mostly wait); then the `speed`
+# tests (the ranks' measured speeds) with nothing beside them at all.
+# SAIL_TEST_SERIAL=1 runs the lint, then everything in one pytest process. A -m EXPR of the caller's
+# narrows every run; they share one matrix sample (SAIL_MATRIX_SEED replays one).
 export SAIL_MATRIX_SEED=${SAIL_MATRIX_SEED:-$(.venv/bin/python -c "import random; print(random.SystemRandom().randrange(10**6))")}
-if [ "${SAIL_TEST_SERIAL:-0}" = 1 ]; then exec .venv/bin/pytest "$@"; fi
+if [ "${SAIL_TEST_SERIAL:-0}" = 1 ]; then lint; exec .venv/bin/pytest "$@"; fi
 marks=() rest=()
 while [ $# -gt 0 ]; do
   case $1 in
@@ -45,21 +45,32 @@ SAIL_SUITE_MARK=$(.venv/bin/python -c "import secrets; print(secrets.token_hex(8
 export SAIL_SUITE_MARK
 .venv/bin/python scripts/suite_check.py snapshot "$scratch/before.json"
 started=$(date +%s)
-lane2=""
-trap 'kill $lane2 2>/dev/null || true; rm -rf "$scratch" 2>/dev/null || true' EXIT
-lanes() {  # lanes NAME1 MARKS1 NAME2 MARKS2 TITLE2: two runs side by side, the second's output after the first's
-  run "$3" "$4" > "$scratch/$3.log" 2>&1 &
-  lane2=$!
-  code=0; run "$1" "$2" || code=$?; outcome "$code"
-  code=0; wait "$lane2" || code=$?; outcome "$code"; lane2=""
-  echo "---- $5, which ran beside the others ----"
-  cat "$scratch/$3.log"
+beside=""
+trap 'kill $beside 2>/dev/null || true; rm -rf "$scratch" 2>/dev/null || true' EXIT
+lanes() {  # lanes NAME MARKS [NAME MARKS ...]: runs side by side, each later one's output after the first's
+  local first=$1 marks=$2 name pids=()
+  shift 2
+  beside=""
+  while [ $# -gt 0 ]; do
+    if [ "$1" = lint ]; then lint > "$scratch/lint.log" 2>&1 & else run "$1" "$2" > "$scratch/$1.log" 2>&1 & fi
+    pids+=("$1:$!"); beside+=" $!"; shift 2
+  done
+  code=0; run "$first" "$marks" || code=$?; outcome "$code"
+  for name in "${pids[@]}"; do
+    code=0; wait "${name#*:}" || code=$?
+    echo "---- ${name%%:*}, which ran beside ${first} ----"
+    cat "$scratch/${name%%:*}.log"
+    if [ "${name%%:*}" = lint ]; then
+      if [ "$code" != 0 ]; then echo "the lint failed (exit status $code)"; status=1; fi
+    else outcome "$code"; fi
+  done
+  beside=""
 }
-lanes rest "not cluster and not lane2 and not alone" cluster "(cluster or lane2) and not alone" \
-  "the namespace cluster's tests and those marked lane2"
-lanes alone "alone and not lane2 and not speed" alone2 "alone and lane2 and not speed" "the alone tests marked lane2"
+lanes rest "not cluster and not lane2 and not alone" cluster "(cluster or lane2) and not alone" lint -
+lanes alone "alone and not lane2 and not lane3 and not speed" alone2 "alone and lane2 and not speed" \
+  alone3 "alone and lane3 and not speed"
 code=0; run speed "speed" || code=$?; outcome "$code"
-.venv/bin/python scripts/suite_check.py slowest "$(($(date +%s) - started))" "$scratch"/{rest,cluster,alone,alone2,speed}.xml
-if [ "$selected" = 0 ]; then exit 5; fi
+.venv/bin/python scripts/suite_check.py slowest "$(($(date +%s) - started))" "$scratch"/{rest,cluster,alone,alone2,alone3,speed}.xml
+if [ "$selected" = 0 ] && [ "$status" = 0 ]; then exit 5; fi  # the lint may have failed
 .venv/bin/python scripts/suite_check.py leftovers "$scratch/before.json" || status=$((status > 1 ? status : 1))
 exit "$status"

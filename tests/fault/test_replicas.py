@@ -23,9 +23,9 @@ from spikingsail.launchers.request import parse_request
 from tests.cluster.harness import processes_with
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
-# The groups' runs in the second of scripts/test.sh's alone lanes, but for the longest, which keeps the
-# two lanes about even.
-lane2 = pytest.mark.lane2
+# The groups' runs in the second and third of scripts/test.sh's alone lanes, which keeps the three
+# lanes about even.
+lane2, lane3 = pytest.mark.lane2, pytest.mark.lane3
 
 WORKER = Path(__file__).with_name("replica_worker.py")
 SAIL = [sys.executable, "-m", "spikingsail.cli.main", "launch"]
@@ -118,8 +118,9 @@ def finish(job: subprocess.Popen[str]) -> str:
     return output
 
 
-@lane2
-@pytest.mark.parametrize("kill_in", ["allreduce", "between"])
+@pytest.mark.parametrize(
+    "kill_in", [pytest.param("allreduce", marks=lane2), pytest.param("between", marks=lane3)]
+)
 def test_a_killed_group_heals_from_the_other_and_the_run_equals_the_fault_free_one(
     tmp_path: Path, kill_in: str
 ) -> None:
@@ -151,6 +152,7 @@ def test_groups_of_two_ranks_each_weight_their_shares_and_heal(tmp_path: Path, b
     assert_trained_as_one_process(out, tmp_path, ranks=4, per_epoch=SAMPLES // 16)
 
 
+@lane3
 def test_a_heal_that_fails_on_one_rank_of_a_group_restarts_the_group(tmp_path: Path) -> None:
     """torchft heals rank by rank; when rank 1's transfer fails and rank 0's does not, the group's
     ranks would hold different states (torchft does not heal them again): the group restarts and
@@ -189,7 +191,7 @@ def test_groups_at_the_same_step_with_different_states_take_the_first_groups(tmp
     assert sorted(committed_samples(out)) == list(range(24, EPOCHS * STEPS_PER_EPOCH))
 
 
-@lane2
+@lane3
 def test_a_stopped_group_is_left_out_and_rejoins_when_it_continues(tmp_path: Path) -> None:
     out = tmp_path / "run"
     job = launch(out, wait=False)
@@ -313,7 +315,7 @@ def test_a_groups_killed_agent_is_started_again_and_its_orphaned_worker_ends(tmp
     assert_trained_as_one_process(out, tmp_path)
 
 
-@lane2
+@lane3
 def test_a_group_alone_continues_from_the_furthest_checkpoint_of_any_group(tmp_path: Path) -> None:
     """A group that starts when no other is alive (its peer finished or died) resumes the newest
     checkpoint any group wrote, not step 0, and trains on with the whole global batch."""
@@ -601,7 +603,7 @@ def test_a_refused_replica_engine_leaves_nothing_running(
     assert not list((tmp_path / "ckpt").rglob("*.lock"))  # the checkpoint directory's lock is released
 
 
-@lane2
+@lane3
 def test_a_group_saves_under_its_own_directory_and_a_load_finds_the_furthest(tmp_path: Path) -> None:
     from spikingsail.checkpoint.replica_dirs import checkpoints_to_load, own_group_checkpoints
     from spikingsail.checkpoint.store import CheckpointStore
@@ -621,7 +623,7 @@ def test_a_group_saves_under_its_own_directory_and_a_load_finds_the_furthest(tmp
     )  # a named tag: as asked
 
 
-@lane2
+@lane3
 def test_one_process_without_groups_resumes_their_checkpoints_at_the_same_sample(tmp_path: Path) -> None:
     """Replica groups train 2 epochs and save; one process without them resumes from the job's
     checkpoint root and trains the third: as if the whole run had been one process."""

@@ -49,6 +49,11 @@ micro-batches of 4). The resumes after step 3 come before a short step, and the 
 (accumulation 3) falls inside one. Each short micro-batch has 2 samples per rank: synchronised batch
 statistics over 1 sample per rank are so ill-conditioned that the last bits of their sums moved a
 weight by 2e-6, more than the fp32 tolerance."""
+COMPILES = ("eager", "inductor")
+"""The model as it is, or compiled (``"compile": {"enabled": true}``: torch.compile with inductor, whose
+C++ backend runs on the CPU), the reference compiled too: a compiled engine trains like the compiled
+plain loop. A sample holds ``COMPILED_CELLS`` compiled cells (each process compiles for some seconds)."""
+COMPILED_CELLS = 3
 RAGGED_LENGTH = 36
 SNN_TIME_STEPS = 4
 WORLD = 2
@@ -94,6 +99,7 @@ class Cell:
     model: str = "mlp"
     init: str = "seeded"
     epoch: str = "whole"
+    compile: str = "eager"
 
     @property
     def id(self) -> str:
@@ -102,8 +108,9 @@ class Cell:
         model = "" if self.model == "mlp" else f"-{self.model}"
         init = "" if self.init == "seeded" else f"-init{self.init}"
         epoch = "" if self.epoch == "whole" else f"-{self.epoch}"
+        compiled = "" if self.compile == "eager" else f"-{self.compile}"
         return (f"{self.backend}-{self.precision}-acc{self.accumulation}-{self.scheduler}-{self.interruption}"
-                f"{balance}{topology}{model}{init}{epoch}")  # fmt: skip
+                f"{balance}{topology}{model}{init}{epoch}{compiled}")  # fmt: skip
 
     @classmethod
     def parse(cls, text: str) -> Cell:
@@ -157,6 +164,7 @@ def all_cells() -> list[Cell]:
         MODELS,
         INITS,
         EPOCHS,
+        COMPILES,
     )
     cells = [Cell(*combination) for combination in itertools.product(*values)]
     # a window to save inside needs an accumulation of more than one micro-step; spiking cells are fp32
@@ -166,16 +174,17 @@ def all_cells() -> list[Cell]:
     ]  # fmt: skip
 
 
-AXES = ("backend", "interruption", "balance", "topology", "model", "init", "epoch")
+AXES = ("backend", "interruption", "balance", "topology", "model", "init", "epoch", "compile")
 """Every value of these axes is in every sample."""
 
 
 def sample(seed: int, count: int) -> list[Cell]:
-    """``count`` cells drawn with ``seed``, every value of ``AXES`` present, and a replica-group cell
-    that must train (ddp, unbalanced)."""
+    """``count`` cells drawn with ``seed``, every value of ``AXES`` present, a replica-group cell that
+    must train (ddp, unbalanced), and ``COMPILED_CELLS`` of them compiled."""
     rng = random.Random(seed)
     cells = all_cells()
     rng.shuffle(cells)
+    cells.sort(key=lambda c: c.compile != "eager")  # eager ones cover the other axes (stable: still shuffled)
     chosen: list[Cell] = []
     for axis in AXES:
         for value in sorted({getattr(c, axis) for c in cells}):
@@ -185,7 +194,9 @@ def sample(seed: int, count: int) -> list[Cell]:
         chosen.append(
             next(c for c in cells if c.topology == "replicas" and not c.refusal and c not in chosen)
         )
-    chosen += [c for c in cells if c not in chosen][: max(0, count - len(chosen))]
+    compiled = [c for c in cells if c.compile != "eager" and c not in chosen]
+    chosen += compiled[: max(0, COMPILED_CELLS - sum(c.compile != "eager" for c in chosen))]
+    chosen += [c for c in cells if c not in chosen and c.compile == "eager"][: max(0, count - len(chosen))]
     return sorted(chosen, key=lambda c: c.id)
 
 

@@ -60,6 +60,8 @@ def config(spec: dict[str, Any], accumulation: int, checkpoints: str | None, pha
         # every step needs both groups: a group that starts first would otherwise train a whole 6-step
         # job alone before the other arrives, and the cell would not test the groups training together
         cfg["fault_tolerance"] = {"min_replicas": int(os.environ["NUM_REPLICA_GROUPS"])}
+    if spec.get("compile", "eager") != "eager":
+        cfg["compile"] = {"enabled": True, "backend": spec["compile"]}
     if spec["scheduler"] == "config":
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1,
                                                            "warmup_num_steps": 4, "warmup_type": "linear"}}  # fmt: skip

@@ -19,16 +19,16 @@ from tests.matrix.job import MICRO, run
 from tests.multiprocess import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
-_references: dict[tuple[str, int, str, str, str], dict[str, Any]] = {}
+_references: dict[tuple[str, int, str, str, str, str], dict[str, Any]] = {}
 
 
 def reference(cell: Cell) -> dict[str, Any]:
-    """One process, plain DDP backend, the same global batch (see ``one_process``); a spiking model
-    runs its whole T steps in one piece there, without time chunks."""
-    key = (cell.precision, cell.accumulation, cell.scheduler, cell.model, cell.epoch)
+    """One process, plain DDP backend, the same global batch (see ``one_process``), compiled when the
+    cell is; a spiking model runs its whole T steps in one piece there, without time chunks."""
+    key = (cell.precision, cell.accumulation, cell.scheduler, cell.model, cell.epoch, cell.compile)
     if key not in _references:
         plain = Cell("ddp", cell.precision, cell.accumulation, cell.scheduler, "none", model=cell.model,
-                     epoch=cell.epoch)  # fmt: skip
+                     epoch=cell.epoch, compile=cell.compile)  # fmt: skip
         spec, accumulation = one_process(plain)
         result = run_ranks(run, 1, {**spec, "whole_time": True}, accumulation, "straight", None)[0]
         assert result is not None and "params" in result, result

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from spikingsail.config.compiling import CompileConfig
 from spikingsail.config.schema import SailConfig
 from spikingsail.environments import RankInfo
 from spikingsail.optim.optimizers import build_optimizer
@@ -152,6 +153,23 @@ class Backend(ABC):
         if lr_scheduler is None and config.scheduler is not None:
             lr_scheduler = build_scheduler(config.scheduler, stepped, config.source)
         return wrapped, stepped, lr_scheduler
+
+    def compile_targets(self, wrapped: torch.nn.Module, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """What ``torch.compile`` compiles when ``compile.modules`` names nothing: the module the
+        engine calls (``wrapped``; ``model`` is the user's model inside it)."""
+        return [wrapped]
+
+    def compile(self, wrapped: torch.nn.Module, model: torch.nn.Module, settings: CompileConfig) -> None:
+        """Compile in place what ``settings`` says (``backends/compiling.py``), after ``wrap``."""
+        from spikingsail.backends.compiling import compile_in_place, compile_kwargs, named_modules
+
+        where = self.config.source
+        kwargs = compile_kwargs(settings, where)
+        if settings.modules:
+            targets = named_modules(model, settings.modules, where)
+        else:
+            targets = self.compile_targets(wrapped, model)
+        compile_in_place(targets, kwargs, where)
 
     def direct_step(self) -> bool:
         """Whether at this config the step needs nothing of the backend around the model's own calls:

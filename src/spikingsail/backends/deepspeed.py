@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from spikingsail.backends.compiling import compile_in_place, compile_kwargs, named_modules
 from spikingsail.backends.process_group import (
     ProcessGroupBackend,
     dist_backend_for,
@@ -32,10 +33,11 @@ from spikingsail.backends.process_group import (
     rendezvous_store,
 )
 from spikingsail.checkpoint.deepspeed_format import STATE_TAG, safe_torch_load
+from spikingsail.config.compiling import CompileConfig, deepcompile_keys
 from spikingsail.config.parse import FOR_DEEPSPEED, NOT_FOR_DEEPSPEED
 from spikingsail.config.schema import SailConfig
 from spikingsail.cuda_arch_list import readable_setting, unreadable_cuda_archs
-from spikingsail.errors import BackendError, CheckpointError, first_line
+from spikingsail.errors import BackendError, CheckpointError, ConfigError, first_line
 from spikingsail.precision import Precision, native_bf16
 from spikingsail.tensors import map_tensors
 
@@ -77,6 +79,10 @@ def deepspeed_config(config: SailConfig) -> dict[str, Any]:
         train_micro_batch_size_per_gpu=config.train_micro_batch_size_per_gpu,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
     )
+    if "compile" in ds:  # SpikingSail runs torch.compile itself (engine.compile): DeepCompile's keys only
+        ds.pop("compile")
+        if deepcompile := deepcompile_keys(config.raw["compile"]):
+            ds["compile"] = deepcompile
     if "zero_optimization" in ds:
         zero = config.zero_optimization
         ds["zero_optimization"] = {"stage": zero.stage, **zero.options}
@@ -181,6 +187,26 @@ class DeepSpeedBackend(ProcessGroupBackend):
             type(ds_optimizer).__name__,
         )
         return engine, ds_optimizer, ds_scheduler
+
+    def compile(self, wrapped: torch.nn.Module, model: torch.nn.Module, settings: CompileConfig) -> None:
+        """With DeepCompile's keys, DeepSpeed's ``engine.compile()``. Else the model's ``forward`` only
+        (or the modules ``compile.modules`` names, as on the other backends): ``engine.compile()``
+        compiles the model with DeepSpeed's forward hook, whose step counter dynamo guards on, so it
+        compiled again at every step until its limit (8) and then ran the model uncompiled."""
+        where = self.config.source
+        if settings.modules or not deepcompile_keys(self.config.raw.get("compile")):
+            targets = named_modules(model, settings.modules, where) if settings.modules else [model]
+            compile_in_place(targets, compile_kwargs(settings, where), where, forward_only=True)
+            return
+        kwargs = compile_kwargs(settings, where)
+        backend = kwargs.pop("backend")
+        try:
+            self.ds.compile(backend=backend, compile_kwargs=kwargs)
+        except (RuntimeError, ValueError, TypeError) as err:
+            raise ConfigError(
+                f"{where}: DeepSpeed's engine.compile() refused the compile section: {err}",
+                fix="see DeepSpeed's and torch.compile's documentation for what they accept together",
+            ) from err
 
     def _require_precision_support(self) -> None:
         """Refuse fp16/bf16 where DeepSpeed's accelerator lacks them, before DeepSpeed's own bare

@@ -78,6 +78,12 @@ class FSDPBackend(ProcessGroupBackend):
             group["params"] = [sharded[names[id(p)]] for p in group["params"]]
         return model, optimizer
 
+    def compile_targets(self, wrapped: torch.nn.Module, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """Each block FSDP2 shards on its own, as torchtitan compiles them (the root's own layers run
+        eagerly); the whole model where nothing was sharded block by block."""
+        blocks: list[torch.nn.Module] = [m for m in wrapped.modules() if isinstance(m, FSDPModule)]
+        return blocks[1:] or [wrapped]  # modules() lists the root first
+
     def _precision(self) -> dict[str, Any]:
         if self.config.bf16.enabled:
             return {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}

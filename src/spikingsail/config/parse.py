@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, Union, get_args, get_origin, get_type_hints
 
 from spikingsail.checks import FLOAT32_MAX, INT64_MAX, Range, check_number, reject_unknown
+from spikingsail.config.compiling import refuse_deepcompile
 from spikingsail.config.files import read_config
 from spikingsail.config.schema import (
     BATCH_KEYS,
@@ -120,6 +121,8 @@ def load_config(
                 "they are two spellings of the same section",
                 f"keep only '{canonical}'",
             )
+    if "compile" not in checked:  # DeepSpeed's DeepCompile keys are DeepSpeed's to check and run
+        refuse_deepcompile(raw, where, backend)
     given = {
         found.field: _build(found.cls, raw[name], where, name, lenient=name in checked)
         for name, found in _SECTIONS.items()

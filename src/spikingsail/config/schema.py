@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal, get_args, get_type_hints
 
 from spikingsail.checks import FLOAT32_MAX, INT64_MAX, Range
+from spikingsail.config.compiling import CompileConfig
 
 MAX_TIMEOUT_MINUTES = 100 * 365 * 24 * 60
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -292,6 +293,8 @@ class SailConfig:
     """Log a line (or update the progress bar) every this many optimizer steps."""
     # how state is sharded, not what it is (read by spikingsail.config.zero: DeepSpeed's own rules)
     zero_optimization: ZeroConfig = section(ZeroConfig, deepspeed=True, resume="free")
+    # torch.compile on every backend; the deepspeed backend hands DeepSpeed the DeepCompile keys
+    compile: CompileConfig = section(CompileConfig, deepspeed=True, resume="free")
     # DeepSpeed's keys in it are accepted; SpikingSail saves
     checkpoint: CheckpointConfig = section(CheckpointConfig, deepspeed=False, resume="free")
     snn: SNNConfig = section(SNNConfig, deepspeed=False)

@@ -135,6 +135,8 @@ class Engine(DeepSpeedNames):
         self.monitor.attach(
             lr=lambda: float(self.optimizer.param_groups[0]["lr"]), loss_scale=lambda: self.loss_scale
         )
+        self.compiled = features.compiled(config, backend, self.wrapped_module, self.module, self.counters,
+                                          self.monitor.event, rank_info.rank, self.heartbeat, closing)  # fmt: skip
         overflows = features.Overflows(lambda: self.loss_scale)
         stragglers = features.straggler_watch(config, rank_info, self.module, self.device, backend, closing)
         for feature, on in ((self.heartbeat, not isinstance(self.heartbeat, NoHeartbeat)),
@@ -263,8 +265,7 @@ class Engine(DeepSpeedNames):
 
     @functools.cached_property
     def log_dir(self) -> Path:
-        """The run's directory (``sail.log_dir``): with trackers and none set, ``runs/DATE-TIME``;
-        else beside the metrics file, or the working directory (where a hang report goes)."""
+        """The run's directory (``sail.log_dir``; ``features.run_directory`` says where by default)."""
         return features.run_directory(self.config)
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
@@ -373,15 +374,11 @@ class Engine(DeepSpeedNames):
     def state_parts(self, *, with_optimizer: bool = True) -> dict[str, Stateful]:
         """The engine's ``Stateful`` parts, in the order they are restored (the optimizer's settings
         before the scheduler's state, which may read them)."""
-        parts: dict[str, Stateful] = {"counters": self.counters}
-        if with_optimizer:
-            parts["optimizer"] = OptimizerHyperparameters(self.optimizer)
-        parts["lr_scheduler"] = Entry("lr_scheduler", self.lr_scheduler)
-        parts["precision"] = Entry("precision", self.precision)
-        parts["loaders"] = self.loaders
-        parts["balance"] = Entry("balance", self.split.balancer)
-        parts["fault_tolerance"] = Entry("fault_tolerance", self.split.replicas)
-        return parts
+        optimizer = {"optimizer": OptimizerHyperparameters(self.optimizer)} if with_optimizer else {}
+        return {"counters": self.counters, **optimizer, "lr_scheduler": Entry("lr_scheduler", self.lr_scheduler),
+                "precision": Entry("precision", self.precision), "loaders": self.loaders,
+                "balance": Entry("balance", self.split.balancer),
+                "fault_tolerance": Entry("fault_tolerance", self.split.replicas)}  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, optimizer settings, scheduler, loss scaler and data positions (not the model

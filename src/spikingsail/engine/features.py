@@ -1,5 +1,6 @@
 """Where the engine's optional features are made from the config, each with what closes it: the hang
-watch's heartbeat, the monitor and its trackers, the straggler breakdown, fp16's overflow warning.
+watch's heartbeat, the monitor and its trackers, the straggler breakdown, fp16's overflow warning,
+torch.compile's recompilation watch.
 The engine adds the ones that are on to its step hooks (``engine/hooks.py``) and their closing to
 its close stack."""
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from spikingsail.backends.base import Backend
 from spikingsail.backends.process_group import rank_hosts
 from spikingsail.config.schema import SailConfig
+from spikingsail.engine.compiling import CompileWatch
 from spikingsail.engine.hooks import StepNotes
 from spikingsail.engine.state import StepCounters
 from spikingsail.engine.stragglers import StragglerWatch
@@ -118,4 +120,21 @@ def straggler_watch(
         hosts=lambda: rank_hosts(rank_info.world_size),
     )  # fmt: skip
     closing.callback(watch.close)
+    return watch
+
+
+def compiled(
+    config: SailConfig, backend: Backend, wrapped: torch.nn.Module, model: torch.nn.Module,
+    counters: StepCounters, report: Callable[[str, str, int], None], rank: int,
+    beat: Heartbeat | NoHeartbeat, closing: ExitStack,
+) -> CompileWatch | None:  # fmt: skip
+    """torch.compile as the ``compile`` section says, and the watch of its recompilations (None when
+    off), which keeps the hang watch's record beating while dynamo compiles. Dynamo compiles at the
+    first forward."""
+    if not config.compile.enabled:
+        return None
+    pulse = beat.pulse if isinstance(beat, Heartbeat) else None
+    watch = CompileWatch(counters, report, rank, pulse, max(0.5, config.sail.hang_timeout_seconds / 10))
+    closing.callback(watch.close)
+    backend.compile(wrapped, model, config.compile)
     return watch

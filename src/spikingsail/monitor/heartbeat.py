@@ -84,6 +84,10 @@ class Heartbeat:
             self._words[COLLECTIVES] += 1
         self._write(phase, WAITING if collective else INSIDE)
 
+    def pulse(self) -> None:
+        """Progress without a step: a long compilation (from a thread of the watch's own)."""
+        self._words[BEATS] += 1
+
     def leave(self, step: int, micro_step: int) -> None:
         words = self._words
         words[STEP], words[MICRO], words[WHERE] = step, micro_step, LEFT

@@ -137,7 +137,10 @@ def train(compile: dict[str, Any] | None, metrics: str, engine_loop: bool = True
                 F.cross_entropy(model(x), y).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-        return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+        from torch._dynamo.utils import counters
+
+        return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                "cache_hits": counters["inductor"]["fxgraph_cache_hit"]}  # fmt: skip
     config = {**BATCH, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "sail": {"progress_bar": False, "metrics_path": metrics}}  # fmt: skip
     if compile is not None:
@@ -164,6 +167,8 @@ def test_a_compiled_engine_trains_like_the_compiled_plain_loop_and_reports_its_r
     plain = run_ranks(train, 1, {"enabled": True}, str(tmp_path / "plain.jsonl"), False)[0]
     eager = run_ranks(train, 1, None, str(tmp_path / "eager.jsonl"))[0]
     assert compiled["params"].keys() == eager["params"].keys()  # compiled in place: the same names
+    # the plain loop's process found the engine's graphs in inductor's cache, as a resume does
+    assert plain["cache_hits"] > 0
     for key, value in plain["params"].items():
         assert torch.equal(compiled["params"][key], value), key  # the same kernels, bit for bit
         torch.testing.assert_close(eager["params"][key], value, rtol=1e-5, atol=1e-6)

@@ -72,6 +72,16 @@ def check_number(value: Any, allowed: Range, key: str, where: str) -> int | floa
     return int(value) if allowed.integer else float(value)
 
 
+def refuse_non_finite(value: Any, key: str, where: str) -> None:
+    """A ``ConfigError`` for the first NaN or infinity anywhere in a JSON object or list, by its path."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: {key} is {value!r}", "it must be a finite number",
+                          f"set {key} to a finite number, or remove it")  # fmt: skip
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for name, inner in items:
+        refuse_non_finite(inner, f"{key}.{name}" if isinstance(name, str) else f"{key}[{name}]", where)
+
+
 def _refuse(value: Any, allowed: Range, key: str, where: str, why: str) -> None:
     reasons = [r for r in (why, allowed.why) if r]
     raise ConfigError(

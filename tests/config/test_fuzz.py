@@ -127,6 +127,8 @@ EVERY_SECTION: dict[str, Any] = {
                    "parallel_write": {"pipeline_stage": False}},
     "snn": {"enabled": False, "reset": "per_batch", "step_mode": "m", "time_steps": 4, "encoding": "poisson",
             "sync_batchnorm": False},
+    "compile": {"enabled": False, "backend": "inductor", "kwargs": {"options": {}}, "mode": "default",
+                "dynamic": None, "fullgraph": False, "modules": ["0"]},
     "sail": {"backend": "ddp", "dist_backend": "gloo", "seed": 7, "progress_bar": False,
              "metrics_path": "metrics.jsonl", "timeout_minutes": 30, "find_unused_parameters": False,
              "move_inputs_to_device": True},
@@ -281,7 +283,7 @@ def test_the_fuzz_reaches_every_section() -> None:
     """The mutated configs cover every section and every optimizer and scheduler type."""
     every = {p.split(".")[0] for c, _ in configs().values() for p in paths(c)}
     assert {"fp16", "bf16", "bfloat16", "optimizer", "scheduler", "zero_optimization", "checkpoint", "snn",
-            "sail", "horovod", "gradient_clipping", "steps_per_print", "train_batch_size"} <= every  # fmt: skip
+            "compile", "sail", "horovod", "gradient_clipping", "steps_per_print", "train_batch_size"} <= every  # fmt: skip
     types = {c[s]["type"] for c, _ in configs().values() for s in ("optimizer", "scheduler") if s in c}
     assert {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam",
             "OneCycle", "WarmupLR", "WarmupDecayLR"} <= types  # fmt: skip

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol, Union, get_args, get_origin, get_type_hints
 
-from spikingsail.checks import FLOAT32_MAX, INT64_MAX, Range, check_number, reject_unknown
+from spikingsail.checks import FLOAT32_MAX, INT64_MAX, Range, check_number, refuse_non_finite, reject_unknown
 from spikingsail.config.compiling import refuse_deepcompile
 from spikingsail.config.files import read_config
 from spikingsail.config.schema import (
@@ -267,6 +267,7 @@ def _coerce(value: Any, hint: Any, where: str, key: str) -> Any:
     if converted is _WRONG_TYPE:
         expected = getattr(hint, "__name__", str(hint)).replace("dict", "object")
         raise ConfigError(f"{where}: '{key}' must be {expected}", f"found {value!r}")
+    refuse_non_finite(converted, key, where)  # inside an object too (torch.compile's kwargs)
     return converted
 
 

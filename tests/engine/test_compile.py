@@ -65,6 +65,9 @@ def test_the_deepspeed_backend_hands_deepspeed_its_deepcompile_keys_only() -> No
     with pytest.raises(ValueError, match="enabled"):  # ... and refuses SpikingSail's keys (extra="forbid")
         DeepSpeedCompile(**raw["compile"])
     assert "compile" not in deepspeed_config(load_for_backend({**raw, "compile": {"enabled": True}}, 1))
+    # DeepCompile needs the engine to compile; without "enabled" it would silently not run
+    with pytest.raises(ConfigError, match=r"compile\.deepcompile is true and compile\.enabled is not"):
+        load_for_backend({**raw, "compile": {"deepcompile": True}}, 1)
     # a DeepCompile key DeepSpeed does not know is refused by DeepSpeed's class, before anything starts
     with pytest.raises(ConfigError, match="deepcompil"):
         load_for_backend({**raw, "compile": {"enabled": True, "deepcompil": True}}, 1)

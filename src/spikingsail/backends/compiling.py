@@ -4,14 +4,14 @@ with which arguments.
 Modules are compiled in place (``nn.Module.compile``), so their names, state dict and hooks stay as
 they were: checkpoints of a compiled run load into an eager one and back. What each backend
 compiles when ``compile.modules`` is empty is its ``compile_targets``: the module the engine calls
-(DDP's wrapper, so that dynamo's DDP optimizer splits the graph at the gradient buckets), each
-block FSDP2 shards (as torchtitan does), or DeepSpeed's ``engine.compile()``.
+(DDP's wrapper, so that dynamo's DDP optimizer splits the graph at the gradient buckets), or each
+block FSDP2 shards (as torchtitan does); DeepSpeed compiles the model's ``forward``, or runs its own
+``engine.compile()`` for DeepCompile.
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -19,8 +19,6 @@ import torch
 
 from spikingsail.config.compiling import CompileConfig
 from spikingsail.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 
 def compile_kwargs(settings: CompileConfig, where: str) -> dict[str, Any]:

@@ -50,11 +50,21 @@ def deepcompile_keys(section: Any) -> dict[str, Any]:
     return {key: value for key, value in section.items() if key not in KEYS}
 
 
-def refuse_deepcompile(raw: dict[str, Any], where: str, backend: str) -> None:
-    """A backend other than deepspeed: a ``compile`` key that is not SpikingSail's is refused, saying
-    what it likely is (DeepSpeed's DeepCompile, which only DeepSpeed's engine runs)."""
+def refuse_deepcompile(raw: dict[str, Any], where: str, backend: str, *, runs_it: bool) -> None:
+    """A ``compile`` key that is not SpikingSail's where the backend does not run DeepCompile
+    (``runs_it``: the deepspeed backend) is refused, saying what it likely is; where it does,
+    ``deepcompile: true`` needs ``enabled: true``, since the engine compiles only then."""
     foreign = deepcompile_keys(raw.get("compile"))
     if not foreign:
+        return
+    if runs_it:
+        if foreign.get("deepcompile") is True and raw["compile"].get("enabled") is not True:
+            raise ConfigError(
+                f"{where}: compile.deepcompile is true and compile.enabled is not",
+                "DeepCompile works when the model is compiled, which the engine does only with "
+                "compile.enabled (DeepSpeed's scripts call engine.compile() themselves)",
+                'add "enabled": true to the compile section',
+            )
         return
     key = next(iter(foreign))
     raise ConfigError(

@@ -121,8 +121,8 @@ def load_config(
                 "they are two spellings of the same section",
                 f"keep only '{canonical}'",
             )
-    if "compile" not in checked:  # DeepSpeed's DeepCompile keys are DeepSpeed's to check and run
-        refuse_deepcompile(raw, where, backend)
+    # DeepSpeed's DeepCompile keys are DeepSpeed's to check (the section is in checked) and run
+    refuse_deepcompile(raw, where, backend, runs_it="compile" in checked)
     given = {
         found.field: _build(found.cls, raw[name], where, name, lenient=name in checked)
         for name, found in _SECTIONS.items()

@@ -154,6 +154,9 @@ class Backend(ABC):
             lr_scheduler = build_scheduler(config.scheduler, stepped, config.source)
         return wrapped, stepped, lr_scheduler
 
+    compiles_forward_only: ClassVar[bool] = False
+    """Compile each target's ``forward`` alone, not its hooks with it (``backends/compiling.py``)."""
+
     def compile_targets(self, wrapped: torch.nn.Module, model: torch.nn.Module) -> list[torch.nn.Module]:
         """What ``torch.compile`` compiles when ``compile.modules`` names nothing: the module the
         engine calls (``wrapped``; ``model`` is the user's model inside it)."""
@@ -169,7 +172,7 @@ class Backend(ABC):
             targets = named_modules(model, settings.modules, where)
         else:
             targets = self.compile_targets(wrapped, model)
-        compile_in_place(targets, kwargs, where)
+        compile_in_place(targets, kwargs, where, forward_only=self.compiles_forward_only)
 
     def direct_step(self) -> bool:
         """Whether at this config the step needs nothing of the backend around the model's own calls:

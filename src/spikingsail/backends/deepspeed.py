@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from spikingsail.backends.compiling import compile_in_place, compile_kwargs, named_modules
+from spikingsail.backends.compiling import compile_kwargs
 from spikingsail.backends.process_group import (
     ProcessGroupBackend,
     dist_backend_for,
@@ -188,16 +188,21 @@ class DeepSpeedBackend(ProcessGroupBackend):
         )
         return engine, ds_optimizer, ds_scheduler
 
+    # DeepSpeed's engine.compile() compiles the model with DeepSpeed's forward hook, whose step
+    # counter dynamo guards on: it compiled again at every step until its limit (8), then ran the
+    # model uncompiled. So the model's forward is compiled alone, unless DeepCompile is asked for.
+    compiles_forward_only = True
+
+    def compile_targets(self, wrapped: torch.nn.Module, model: torch.nn.Module) -> list[torch.nn.Module]:
+        return [model]  # not DeepSpeed's engine around it
+
     def compile(self, wrapped: torch.nn.Module, model: torch.nn.Module, settings: CompileConfig) -> None:
-        """With DeepCompile's keys, DeepSpeed's ``engine.compile()``. Else the model's ``forward`` only
-        (or the modules ``compile.modules`` names, as on the other backends): ``engine.compile()``
-        compiles the model with DeepSpeed's forward hook, whose step counter dynamo guards on, so it
-        compiled again at every step until its limit (8) and then ran the model uncompiled."""
-        where = self.config.source
+        """With DeepCompile's keys (and no ``compile.modules``), DeepSpeed's ``engine.compile()``;
+        else as on the other backends, the model's ``forward`` alone."""
         if settings.modules or not deepcompile_keys(self.config.raw.get("compile")):
-            targets = named_modules(model, settings.modules, where) if settings.modules else [model]
-            compile_in_place(targets, compile_kwargs(settings, where), where, forward_only=True)
+            super().compile(wrapped, model, settings)
             return
+        where = self.config.source
         kwargs = compile_kwargs(settings, where)
         backend = kwargs.pop("backend")
         try:

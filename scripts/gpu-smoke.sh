@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, in a few minutes, on a machine with one or more NVIDIA GPUs: the main job on nccl,
-# the main job under every backend, replica groups, resume, the requires_cuda tests and the
-# communication bench.
+# the main job under every backend, replica groups, resume, the requires_cuda tests, the
+# communication bench and the engine-versus-plain-loop benchmark (benchmarks/gpu.py, its table last).
 # Prints a pass/fail table; the exit status is the number of failed rows. Logs: $SMOKE_DIR.
 #
 #   bash scripts/gpu-smoke.sh                  (after scripts/setup.sh --backends)
@@ -93,9 +93,14 @@ check "save every 20 steps, then --resume" "$accuracy" bash -c "
   ${sail[*]} launch -n $nproc examples/train_digits.py --sail-config $saving --resume --checkpoints-path $checkpoints"
 check "requires_cuda tests" ' passed' env DS_ACCELERATOR=cuda "$python" -m pytest -q -m requires_cuda tests/gpu
 check "sail bench comm (nccl)" 'all-reduce|all_reduce' "${sail[@]}" bench comm -n "$nproc"
+# the engine against the plain loop on one GPU (about 5 minutes): its table follows this one
+bench="benchmarks/gpu.py (engine ÷ plain loop)"
+check "$bench" 'engine÷plain' env DS_ACCELERATOR=cuda "$python" benchmarks/gpu.py
 
 echo
 printf '%-44s %-5s %7s\n' check result time
 for r in "${rows[@]}"; do echo "$r"; done
 echo "failed: $failed (logs in $logs)"
+bench_log="$logs/$(echo "$bench" | tr -c 'a-zA-Z0-9' _).log"  # as check names it
+if [ -f "$bench_log" ]; then echo; sed -n '/^row /,$p' "$bench_log"; fi
 exit "$failed"

@@ -202,6 +202,12 @@ class SNNConfig:
     chunk_batchnorm: Literal["refuse", "per_chunk"] = field(default="refuse", metadata={"resume": "chunks"})
     """Batch norm that uses batch statistics spans T × N samples, which time chunks cannot keep:
     refuse (the default) or normalise each chunk over its own k × N samples (a different model)."""
+    backend: Literal["auto", "torch", "cuda", "triton", "cupy"] = free("auto")
+    """spikingjelly's neuron kernels on a CUDA device, for every neuron kind: "auto" keeps spikingjelly's
+    choice (its SJ_<KIND>_CUDA_IMPLEMENTATION variables, else native CUDA, Triton, torch: the first
+    that loads); "torch" its reference ops; "cuda" its native kernels (built from source); "triton"
+    its Triton kernels. A CPU runs "auto" and "torch" (the reference ops). What the device cannot run
+    is refused before the first step; so is "cupy", spikingjelly 0.0.0.0.x's, which 2.0 replaced."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

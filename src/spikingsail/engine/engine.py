@@ -107,7 +107,7 @@ class Engine(DeepSpeedNames):
     ) -> None:
         config, rank_info, backend, closing = self.config, self.rank_info, self.backend, self._closing
         self.module = model.to(self.device)
-        self.snn = SpikingSupport.for_model(config.snn, self.module, config.source)
+        self.snn = SpikingSupport.for_model(config.snn, self.module, config.source, self.device)
         if config.snn.sync_batchnorm and rank_info.distributed:
             self.module = convert_sync_batchnorm(self.module)  # keeps the Parameter objects
         if config.snn.time_chunk != 0:  # keeps the Parameter objects and the state_dict keys

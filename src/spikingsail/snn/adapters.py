@@ -15,6 +15,8 @@ from typing import NoReturn
 
 import torch
 
+from spikingsail.errors import ConfigError
+
 _BASE = "spikingjelly.activation_based.base"
 
 
@@ -36,6 +38,16 @@ class SpikingAdapter(ABC):
     @abstractmethod
     def set_step_mode(self, model: torch.nn.Module, step_mode: str) -> None:
         """'s': one time step per call; 'm': a whole ``[T, N, ...]`` sequence per call."""
+
+    def set_backend(self, backend: str, device: torch.device, source: str) -> None:
+        """Run the neurons on ``backend``'s kernels (``snn.backend``; "auto": the library's own choice)."""
+        if backend != "auto":
+            raise ConfigError(
+                f"{source}: snn.backend is {backend!r}, but the model's neurons are {self.name}'s",
+                f"{self.name} has no neuron kernels to choose between: its neurons are torch operations",
+                'drop snn.backend; to fuse the neurons\' operations, compile the model ("compile": '
+                '{"enabled": true})',
+            )
 
     def carried_state(self, module: torch.nn.Module) -> list[str] | None:
         """The names of ``module``'s state variables that are not at their reset value (``[]``: all
@@ -68,6 +80,11 @@ class SpikingJellyAdapter(SpikingAdapter):
         from spikingjelly.activation_based import functional
 
         functional.set_step_mode(model, step_mode)
+
+    def set_backend(self, backend: str, device: torch.device, source: str) -> None:
+        from spikingsail.snn.kernels import select
+
+        select(backend, device, source)
 
     def carried_state(self, module: torch.nn.Module) -> list[str]:
         memories: dict[str, object] = module._memories  # type: ignore[assignment]
@@ -160,8 +177,6 @@ class NorseAdapter(SpikingAdapter):
 
 
 def _refuse_step_mode(step_mode: str, library: str, why: str, fix: str) -> NoReturn:
-    from spikingsail.errors import ConfigError
-
     raise ConfigError(f"snn.step_mode is {step_mode!r}, but the model's neurons are {library}'s", why, fix)
 
 

@@ -48,9 +48,17 @@ class SpikingSupport:
         self._boundary: str | None = "the engine's start"
 
     @classmethod
-    def for_model(cls, config: SNNConfig, model: torch.nn.Module, source: str) -> SpikingSupport:
+    def for_model(
+        cls, config: SNNConfig, model: torch.nn.Module, source: str, device: torch.device | None = None
+    ) -> SpikingSupport:
         found = find_adapter(model) if config.enabled is not False else None
         if found is None:
+            if config.backend != "auto" and config.enabled is not False:
+                raise ConfigError(
+                    f"{source}: snn.backend is {config.backend!r}, but the model has no spiking neurons",
+                    "the setting chooses the kernels of spikingjelly's neurons",
+                    "drop snn.backend, or build the model from spikingjelly neurons",
+                )
             if config.enabled:
                 raise ConfigError(
                     f"{source}: snn.enabled is true, but the model has no spiking neurons",
@@ -62,6 +70,7 @@ class SpikingSupport:
         adapter, modules = found
         if config.step_mode is not None:
             adapter.set_step_mode(model, config.step_mode)
+        adapter.set_backend(config.backend, device or torch.device("cpu"), source)
         if config.check_state and adapter.carried_state(modules[0]) is None:
             raise ConfigError(
                 f"{source}: snn.check_state is true, but the {adapter.name} adapter cannot read a neuron's state",

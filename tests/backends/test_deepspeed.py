@@ -199,6 +199,15 @@ def unknown_optimizer() -> str:
                     None, None, False, False)  # fmt: skip
 
 
+def channels_last_weights() -> str:
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(16, 2))
+    net = net.to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    return error_of(
+        lambda: spikingsail.initialize(model=net, optimizer=optimizer, config=config("deepspeed", 2))
+    )
+
+
 def test_a_key_deepspeed_refuses_is_named_before_any_process_group_and_initializes_refusal_after() -> None:
     removed = run_ranks(removed_key, 1)[0]
     assert removed.startswith(
@@ -210,6 +219,10 @@ def test_a_key_deepspeed_refuses_is_named_before_any_process_group_and_initializ
         "BackendError: <dict>: deepspeed.initialize refused the model, optimizer or config"
     )
     assert "nosuchoptimizer" in refused.lower()
+    # DeepSpeed's own words for it would be "self.stride(-1) must be 1 to view Float as Byte"
+    layout = run_ranks(channels_last_weights, 1)[0]
+    assert layout.startswith("BackendError: <dict>: the deepspeed backend cannot take parameter '0.weight'")
+    assert "channels_last" in layout and "default layout" in layout
 
 
 # A Transformers-style ZeRO-2 file, as people write them for DeepSpeed: hjson comments and "auto"

@@ -166,6 +166,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
         if lr_scheduler is not None:
             ds_config.pop("scheduler", None)
         self._require_precision_support()
+        _require_contiguous_parameters(model, config.source)
         try:
             with _local_rank_in_environment(self.rank_info.local_rank):
                 engine, ds_optimizer, _, ds_scheduler = self.deepspeed.initialize(
@@ -410,6 +411,21 @@ def _local_rank_in_environment(local_rank: int) -> Iterator[None]:
         yield
     finally:
         os.environ.pop("LOCAL_RANK", None)
+
+
+def _require_contiguous_parameters(model: torch.nn.Module, source: str) -> None:
+    """DeepSpeed views every parameter's storage as bytes (at every ZeRO stage), which a weight in
+    another memory layout cannot give: it fails with ``self.stride(-1) must be 1 to view Float as Byte``."""
+    for name, parameter in model.named_parameters():
+        if not parameter.is_contiguous():
+            raise BackendError(
+                f"{source}: the deepspeed backend cannot take parameter '{name}': it is not contiguous "
+                f"(strides {parameter.stride()}, e.g. channels_last)",
+                "DeepSpeed views every parameter as one flat run of bytes (ZeRO flattens them into "
+                "buffers), which needs the default memory layout",
+                "leave the model's weights in the default layout (drop model.to(memory_format=...); "
+                "inputs may stay channels_last), or use the ddp backend, which takes them",
+            )
 
 
 def initialize_error(source: str, err: BaseException, device: torch.device) -> BackendError:

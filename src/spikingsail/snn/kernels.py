@@ -30,7 +30,6 @@ import torch
 
 from spikingsail.errors import ConfigError
 
-IMPLEMENTATIONS = ("auto", "torch", "cuda", "triton")
 _OPS = "spikingjelly._ops"
 
 
@@ -54,9 +53,9 @@ def selections(imported_only: bool = False) -> list[Any]:
     return found
 
 
-def select(backend: str, device: torch.device, source: str) -> list[str]:
-    """Make ``backend`` spikingjelly's implementation for every neuron kind on ``device``; returns the
-    kinds' environment variables. Raises ``ConfigError`` for a setting this device cannot run."""
+def select(backend: str, device: torch.device, source: str) -> None:
+    """Make ``backend`` spikingjelly's implementation for every neuron kind on ``device``. Raises
+    ``ConfigError`` for a setting this device cannot run, leaving spikingjelly's choice as it was."""
     where = f"{source}: snn.backend is {backend!r}"
     if backend == "cupy":
         raise ConfigError(
@@ -74,7 +73,7 @@ def select(backend: str, device: torch.device, source: str) -> list[str]:
     found = selections(imported_only=backend == "auto")
     known = all(hasattr(s, "_requested") and hasattr(s, "_selections") for s in found)
     if backend == "auto" and not (found and known):
-        return []  # nothing chosen yet, or another spikingjelly: its own choice stands
+        return  # nothing chosen yet, or another spikingjelly: its own choice stands
     if not found or not known:
         raise ConfigError(
             f"{where}, but spikingjelly {_version()} chooses its neuron kernels in a way this "
@@ -92,16 +91,27 @@ def select(backend: str, device: torch.device, source: str) -> list[str]:
                 "both choose the implementation of the same neuron kind, and would disagree",
                 f'unset {variable}, or set snn.backend to {asked!r} (or "auto", which follows the variable)',
             )
+    before = [s._requested for s in found]
     for selection in found:  # spikingjelly's choice as its import would make it, with this variable
-        wanted = os.environ.get(selection._environment_variable, "auto") if backend == "auto" else backend
-        if selection._requested != wanted:
-            with selection._lock:
-                selection._requested = wanted
-                selection._selections.clear()
-                selection._compiled_selections.clear()
+        _request(
+            selection,
+            os.environ.get(selection._environment_variable, "auto") if backend == "auto" else backend,
+        )
     if device.type == "cuda" and backend in ("cuda", "triton"):
-        _check_loads(found, backend, device, where)
-    return [s._environment_variable for s in found]
+        try:
+            _check_loads(found, backend, device, where)
+        except ConfigError:
+            for selection, requested in zip(found, before, strict=True):
+                _request(selection, requested)
+            raise
+
+
+def _request(selection: Any, implementation: str) -> None:
+    if selection._requested != implementation:
+        with selection._lock:
+            selection._requested = implementation
+            selection._selections.clear()  # the choices made under the old request
+            selection._compiled_selections.clear()
 
 
 def _check_loads(found: list[Any], backend: str, device: torch.device, where: str) -> None:

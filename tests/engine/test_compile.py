@@ -127,8 +127,11 @@ def data() -> TensorDataset:
     return TensorDataset(torch.randn(36, 6, generator=g), torch.randint(0, 3, (36,), generator=g))
 
 
-def train(compile: dict[str, Any] | None, metrics: str, engine_loop: bool = True) -> dict[str, Any]:
-    """Two epochs of 5 steps (the last of 4 samples), by the engine or by the plain loop a user writes."""
+def train(
+    compile: dict[str, Any] | None, metrics: str, engine_loop: bool = True, by_call: bool = False
+) -> dict[str, Any]:
+    """Two epochs of 5 steps (the last of 4 samples), by the engine or by the plain loop a user writes;
+    ``by_call``: compiled by DeepSpeed's ``engine.compile()`` after the engine is made, not by the config."""
     torch.set_num_threads(1)
     model = net()
     if not engine_loop:  # the compiled plain loop: torch.compile and an SGD step
@@ -146,9 +149,16 @@ def train(compile: dict[str, Any] | None, metrics: str, engine_loop: bool = True
                 "cache_hits": counters["inductor"]["fxgraph_cache_hit"]}  # fmt: skip
     config = {**BATCH, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "sail": {"progress_bar": False, "metrics_path": metrics}}  # fmt: skip
-    if compile is not None:
+    if compile is not None and not by_call:
         config["compile"] = compile
     engine, _ = spikingsail.initialize(model=model, config=config, rank_info=RankInfo.single())
+    if by_call:
+        assert not engine.is_compiled
+        with pytest.raises(ConfigError, match=r"schedule and compiled_autograd_enabled are not supported"):
+            engine.compile(compiled_autograd_enabled=True)
+        engine.compile(backend="inductor", compile_kwargs={})  # DeepSpeed's arguments, as its scripts call it
+        engine.compile()  # once compiled, a call does nothing
+        assert engine.is_compiled
     for _ in range(2):
         for x, y in engine.dataloader(data(), shuffle=False):
             engine.backward(F.cross_entropy(engine(x), y))
@@ -169,15 +179,17 @@ def test_a_compiled_engine_trains_like_the_compiled_plain_loop_and_reports_its_r
     compiled = run_ranks(train, 1, {"enabled": True}, str(metrics))[0]
     plain = run_ranks(train, 1, {"enabled": True}, str(tmp_path / "plain.jsonl"), False)[0]
     eager = run_ranks(train, 1, None, str(tmp_path / "eager.jsonl"))[0]
+    by_call = run_ranks(train, 1, {}, str(tmp_path / "by_call.jsonl"), True, True)[0]
     assert compiled["params"].keys() == eager["params"].keys()  # compiled in place: the same names
     # the plain loop's process found the engine's graphs in inductor's cache, as a resume does
     assert plain["cache_hits"] > 0
     for key, value in plain["params"].items():
         assert torch.equal(compiled["params"][key], value), key  # the same kernels, bit for bit
+        assert torch.equal(by_call["params"][key], value), key
         torch.testing.assert_close(eager["params"][key], value, rtol=1e-5, atol=1e-6)
     # the first epoch's short last step (4 samples after 8) compiles again, once: dynamo then marks
     # the batch dimension dynamic, and the second epoch's short step fits
-    assert compiled["stats"] == {"compiles": 2, "recompiles": 1}
+    assert compiled["stats"] == by_call["stats"] == {"compiles": 2, "recompiles": 1}
     events = [line for line in map(json.loads, metrics.read_text().splitlines()) if "event" in line]
     assert [(e["step"], e["event"]) for e in events] == [(4, "recompile")]
     assert "size mismatch at index 0. expected 8, actual 4" in events[0]["message"]

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +14,13 @@ import torch
 from spikingsail.backends.base import Backend
 from spikingsail.checkpoint.checkpointer import Checkpointer
 from spikingsail.config.schema import SailConfig
+from spikingsail.engine import features
+from spikingsail.engine.compiling import CompileWatch
 from spikingsail.engine.hooks import StepHooks
 from spikingsail.engine.state import StepCounters
 from spikingsail.environments import RankInfo
+from spikingsail.errors import ConfigError
+from spikingsail.monitor.heartbeat import Heartbeat, NoHeartbeat
 from spikingsail.snn.support import SpikingSupport
 
 log = logging.getLogger(__name__)
@@ -31,6 +37,12 @@ class DeepSpeedNames:
     checkpointer: Checkpointer
     hooks: StepHooks
     snn: SpikingSupport
+    module: torch.nn.Module
+    wrapped_module: torch.nn.Module
+    compiled: CompileWatch | None
+    heartbeat: Heartbeat | NoHeartbeat
+    monitor: Any
+    _closing: ExitStack
 
     @property
     def micro_steps(self) -> int:
@@ -147,3 +159,40 @@ class DeepSpeedNames:
             self.snn.after_load()
             log.info("resumed from %s at step %d", path, self.global_steps)
         return path, client_state
+
+    def compile(
+        self,
+        backend: str | None = None,
+        compile_kwargs: dict[str, Any] | None = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """DeepSpeed's ``engine.compile()``: ``torch.compile`` the model now, as ``"compile":
+        {"enabled": true}`` does at start, with ``backend`` and ``compile_kwargs`` in place of the
+        section's ``backend`` and ``kwargs`` (its other keys apply); recompilations are counted from
+        here. Once compiled, a call does nothing, as DeepSpeed's."""
+        if schedule is not None or compiled_autograd_enabled:
+            raise ConfigError(
+                "engine.compile(): schedule and compiled_autograd_enabled are not supported",
+                "they are DeepCompile's and compiled autograd's settings, which only DeepSpeed's engine runs",
+                'drop them; for DeepCompile use the deepspeed backend with "compile": {"enabled": true, '
+                '"deepcompile": true, ...} in the config',
+            )
+        if self.compiled is not None:
+            return
+        section = self.config.compile
+        settings = dataclasses.replace(
+            section,
+            enabled=True,
+            backend=section.backend if backend is None else backend,
+            kwargs=section.kwargs if compile_kwargs is None else dict(compile_kwargs),
+        )
+        self.compiled = features.compiled(
+            dataclasses.replace(self.config, compile=settings), self.backend, self.wrapped_module, self.module,
+            self.counters, self.monitor.event, self.rank_info.rank, self.heartbeat, self._closing,
+        )  # fmt: skip
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether the model is compiled (DeepSpeed's name)."""
+        return self.compiled is not None

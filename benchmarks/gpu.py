@@ -98,6 +98,10 @@ class Size:
     warmup: int
     steps: int
 
+    def of(self, row: Row) -> tuple[int, int]:
+        """The row's image side and batch."""
+        return (self.snn_image, self.snn_batch) if row.time_steps else (self.image, self.batch)
+
 
 FULL = Size(small=False, image=224, batch=128, snn_image=128, snn_batch=32, warmup=5, steps=20)
 SMALL = Size(small=True, image=32, batch=2, snn_image=32, snn_batch=2, warmup=1, steps=3)
@@ -135,7 +139,7 @@ def batches(
     row: Row, size: Size, device: torch.device, count: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
-    image, batch = (size.snn_image, size.snn_batch) if row.time_steps else (size.image, size.batch)
+    image, batch = size.of(row)
     data = []
     for _ in range(count):
         x = torch.randn(batch, 3, image, image, generator=generator).to(device)
@@ -189,7 +193,7 @@ def engine_loop(
     if not row.monitoring:
         sail.update(hang_timeout_seconds=0, straggler_window=0)
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": size.snn_batch if row.time_steps else size.batch,
+        "train_micro_batch_size_per_gpu": size.of(row)[1],
         "sail": sail, "bf16": {"enabled": row.bf16}, "compile": {"enabled": row.compiled},
     }  # fmt: skip
     if row.zero_stage:
@@ -244,7 +248,7 @@ def measure(row: Row, size: Size, device: torch.device) -> dict[str, Any]:
         plain_times, engine_times = interleaved(loops, batches(row, size, engine.device, size.steps))
     finally:
         engine.close()
-    batch = size.snn_batch if row.time_steps else size.batch
+    batch = size.of(row)[1]
     plain, mine = (batch / statistics.median(t) for t in (plain_times, engine_times))
     peak = max(max(p, default=0) for p in peaks) / 2**20 if device.type == "cuda" else None
     return {

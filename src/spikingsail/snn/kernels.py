@@ -43,13 +43,12 @@ def selections(imported_only: bool = False) -> list[Any]:
     found = []
     for namespace in getattr(choices, "_NEURON_NAMESPACES", ()):
         kind = namespace.removeprefix("sj_")
-        package = next((p for p in (kind, f"{kind}_") if f"{_OPS}.{p}" in sys.modules), None)
-        if package is None and imported_only:
-            continue
-        package = package or (kind if importlib.util.find_spec(f"{_OPS}.{kind}") else f"{kind}_")  # "if_"
-        selection = getattr(importlib.import_module(f"{_OPS}.{package}"), "_selection", None)
-        if isinstance(selection, choices._CudaSelection):
-            found.append(selection)
+        for package in (f"{_OPS}.{kind}", f"{_OPS}.{kind}_"):  # "if" is a keyword: its package is "if_"
+            if package in sys.modules or (not imported_only and importlib.util.find_spec(package)):
+                selection = getattr(importlib.import_module(package), "_selection", None)
+                if isinstance(selection, choices._CudaSelection):
+                    found.append(selection)
+                break
     return found
 
 
@@ -140,11 +139,6 @@ def _check_loads(found: list[Any], backend: str, device: torch.device, where: st
 
 
 def _version() -> str:
-    module = sys.modules.get("spikingjelly")
-    return str(getattr(module, "__version__", "")) or _distribution_version()
-
-
-def _distribution_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:

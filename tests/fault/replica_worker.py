@@ -90,6 +90,8 @@ def main() -> None:
             "hang_timeout_seconds": 0,
             "straggler_window": 0,
             "backend": args.backend,
+            "ledger": True,  # the engine's own, checked against this script's
+            "log_dir": str(args.out),
         },
         "fault_tolerance": {
             "timeout_seconds": 3,
@@ -125,13 +127,15 @@ def main() -> None:
                 if args.kill_in == "between":
                     os.kill(os.getpid(), signal.SIGKILL)
                 kill_in_first_all_reduce(engine)
+            # torchft's word: a group that heals in this step takes part with no samples (weight 0)
+            counted = engine.replicas is None or engine.replicas.manager.participating_rank() is not None
             loss = F.mse_loss(engine(x), y)
             engine.backward(loss)
             engine.step()
             if engine.global_steps > step:  # committed; written at once, before a kill can come
                 digest = sum(float(full(p).double().sum()) for p in model.parameters())
                 entry = {"step": step, "ids": sample_ids.flatten().int().tolist(), "digest": digest,
-                         "time": time.time(), "rank": engine.rank}  # fmt: skip
+                         "time": time.time(), "rank": engine.rank, "counted": counted}  # fmt: skip
                 ledger.write(json.dumps(entry) + "\n")
                 ledger.flush()
             time.sleep(args.step_sleep)

@@ -20,6 +20,7 @@ import torch
 from spikingsail.errors import ConfigError, LaunchError
 from spikingsail.launchers.replicas import ReplicaPlan, free_port, plan_replica_groups
 from spikingsail.launchers.request import parse_request
+from spikingsail.monitor import ledger_check
 from tests.cluster.harness import processes_with
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
@@ -77,9 +78,11 @@ def ledger(out: Path) -> list[dict[str, Any]]:
 
 
 def committed_samples(out: Path) -> dict[int, list[int]]:
+    """The sample ids of each committed step (counted from 0), over the processes that took part in it."""
     steps: dict[int, list[int]] = collections.defaultdict(list)
     for entry in ledger(out):
-        steps[entry["step"]] += entry["ids"]
+        if entry["counted"]:
+            steps[entry["step"]] += entry["ids"]
     return steps
 
 
@@ -93,11 +96,18 @@ def assert_groups_agree_after_every_step(out: Path) -> None:
 
 
 def assert_every_sample_once_per_epoch(out: Path, per_epoch: int = STEPS_PER_EPOCH) -> None:
+    """By the script's own record of its batches, and by the engine's sample ledger (``sail.ledger``),
+    which must say the same of every step and find nothing lost or repeated."""
     steps = committed_samples(out)
     assert sorted(steps) == list(range(EPOCHS * per_epoch))
     for epoch in range(EPOCHS):
         ids = [i for s in range(epoch * per_epoch, (epoch + 1) * per_epoch) for i in steps[s]]
         assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}"
+    engines = ledger_check.resolve(out)
+    assert engines.problems == [], ledger_check.report(engines)
+    assert {s: sorted(ids) for s, ids in engines.steps.items()} == {
+        s + 1: sorted(ids) for s, ids in steps.items()
+    }
 
 
 def assert_trained_as_one_process(

@@ -1,4 +1,5 @@
-"""``sail report``: a run's metrics file as PNG plots and a short summary."""
+"""``sail report``: a run's metrics file as PNG plots and a short summary; with ``--ledger``, the check
+of its sample ledger (and ``--against`` another run's)."""
 
 from __future__ import annotations
 
@@ -16,17 +17,38 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run", type=Path, help="the metrics file (JSON lines), or the directory that holds it")
     p.add_argument("--out", type=Path, help="where the PNGs go (default: beside the metrics file)")
+    p.add_argument("--ledger", action="store_true",
+                   help="check RUN's sample ledger (sail.ledger) instead: every sample of each finished "
+                   "epoch trained once, none twice, the steps in order; exit status 1 when not")  # fmt: skip
+    p.add_argument("--against", type=Path, metavar="OTHER_RUN",
+                   help="with --ledger: compare with another run's ledger, step by step")  # fmt: skip
     return p
 
 
 def run(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    if args.ledger or args.against:
+        return _ledger(args.run, args.against)
     path = metrics_file(args.run)
     metrics = read_run(path)
     print(_shown(f"{path}:\n{summary(metrics)}"))
     for png in draw(metrics, args.out or path.parent):
         print(_shown(f"wrote {png}"))
     return 0
+
+
+def _ledger(run: Path, against: Path | None) -> int:
+    from spikingsail.monitor import ledger_check
+
+    ours = ledger_check.resolve(run)
+    print(_shown(ledger_check.report(ours)))
+    failed = bool(ours.problems)
+    if against is not None:
+        theirs = ledger_check.resolve(against)
+        lines = ledger_check.compare(ours, theirs)
+        print(_shown("\n".join([f"against {against}:", *lines])))
+        failed = failed or any("PROBLEM" in line for line in lines)
+    return 1 if failed else 0
 
 
 def _shown(text: str) -> str:

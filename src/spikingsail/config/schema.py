@@ -273,6 +273,9 @@ class SailSection:
     log_dir: str | None = free(None)
     """The run's directory: trackers, hang reports (default runs/DATE-TIME with trackers; else hang
     reports go beside metrics_path, or to the working directory)."""
+    ledger: bool = free(False)
+    """Record which dataset samples every optimizer step trained on, per process, in log_dir/ledger/
+    (``sail report --ledger RUN_DIR`` checks that each finished epoch took every sample once)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

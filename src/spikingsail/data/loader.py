@@ -3,11 +3,12 @@ position in the epoch is kept (in samples, over all ranks) so that a checkpoint 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, cast
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
 from spikingsail.data.sampler import ReplicaBatchSampler, ResumableShardSampler, StepBatchSampler
 from spikingsail.tensors import map_tensors
@@ -42,6 +43,7 @@ class ShardedLoader:
         shares: Callable[[], Sequence[int]] | None = None,
         accumulation: int | None = None,
         replicated: ReplicaBatchSampler | None = None,
+        record: Callable[[list[int], int], None] | None = None,
         **loader_kwargs: Any,
     ) -> None:
         """``on_batch`` runs before each batch is handed out (the engine resets spiking neurons there).
@@ -53,7 +55,9 @@ class ShardedLoader:
         whose epoch is read in optimizer steps of ``batch_size × world_size × accumulation``
         samples (the same per step on any split, also the epoch's short last one). With either,
         ``share`` tells each batch's part of its optimizer step. ``replicated``: batches of replica groups (``ReplicaBatchSampler``),
-        whose epoch and position follow the engine's committed steps."""
+        whose epoch and position follow the engine's committed steps. ``record``: called with the
+        dataset indices of each batch as it is handed out, and the epoch, when the batch counts in
+        its step (a replica group's batch that takes no part does not): the sample ledger's."""
         self.on_batch = on_batch
         self.device = device
         length = len(dataset)  # type: ignore[arg-type]
@@ -92,6 +96,14 @@ class ShardedLoader:
             if isinstance(self.sampler, StepBatchSampler | ReplicaBatchSampler)
             else {"batch_size": batch_size, "sampler": self.sampler, "drop_last": drop_last}
         )
+        self._record = record
+        self._taken: deque[list[int]] = deque()
+        """With ``record``: the indices of each batch the sampler gave, in order (workers take them ahead)."""
+        if record is not None:
+            inner = batching.get("batch_sampler") or BatchSampler(
+                cast(Sampler[int], self.sampler), batch_size, drop_last
+            )
+            batching = {"batch_sampler": _Taken(inner, self._taken)}
         self.loader: DataLoader[Any] = DataLoader(
             dataset,
             **batching,
@@ -129,12 +141,15 @@ class ShardedLoader:
         if isinstance(self.sampler, ResumableShardSampler | StepBatchSampler):
             self.sampler.start = self.position
         taken = self.batch_size * self.world_size  # the global micro-batch's samples
+        self._taken.clear()
         for batch in self.loader:
             if self._active is not token:
                 return  # a newer pass (or a load) took over from this one
             if isinstance(self.sampler, StepBatchSampler):
                 own, taken, step = self.sampler.handed.popleft()
                 self.share = (own, step)
+            if self._record is not None:
+                self._record(self._taken.popleft(), self.epoch)
             self.position += taken
             if self.on_batch is not None:
                 self.on_batch()
@@ -147,8 +162,13 @@ class ShardedLoader:
         self.epoch = sampler.epoch()
         if self._own_generator:
             self._generator.manual_seed(self.seed * 1_000_003 + self.epoch)
+        self._taken.clear()
         for batch in self.loader:
             self.share = sampler.share
+            if self._record is not None:
+                ids = self._taken.popleft()
+                if self.share is not None and self.share[0]:  # a healing group's batch counts nowhere
+                    self._record(ids, self.epoch)
             if self.on_batch is not None:
                 self.on_batch()
             yield batch if self.device is None else map_tensors(batch, self._to_device)
@@ -186,9 +206,33 @@ class ShardedLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
+    def epoch_samples(self) -> int:
+        """The samples a whole epoch of the training loader trains on, over all ranks (fewer than the
+        dataset's with ``drop_last`` and an epoch that is not a whole number of steps)."""
+        if isinstance(self.sampler, ReplicaBatchSampler):
+            return self.sampler.whole_steps * self.sampler.step_samples + sum(self.sampler.short)
+        if isinstance(self.sampler, StepBatchSampler | ResumableShardSampler):
+            return self.sampler.total
+        return len(self.dataset)  # type: ignore[arg-type]
+
     @property
     def dataset(self) -> Dataset[Any]:
         return self.loader.dataset
+
+
+class _Taken(Sampler[list[int]]):
+    """A batch sampler that notes each batch of indices it gives (``ShardedLoader``'s ``record``)."""
+
+    def __init__(self, inner: Iterable[list[int]], taken: deque[list[int]]) -> None:
+        self.inner, self.taken = inner, taken
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for indices in self.inner:
+            self.taken.append(list(indices))
+            yield indices
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
 
 
 class ExactShardSampler(Sampler[int]):

@@ -139,17 +139,19 @@ class Engine(DeepSpeedNames):
                                           self.monitor.event, rank_info.rank, self.heartbeat, closing)  # fmt: skip
         overflows = features.Overflows(lambda: self.loss_scale)
         stragglers = features.straggler_watch(config, rank_info, self.module, self.device, backend, closing)
+        replica_env = ReplicaEnv.from_env()
+        group = replica_env.group if replica_env is not None else None
+        self.ledger = features.ledger(config, rank_info, backend, self.log_dir, group, closing)
         for feature, on in ((self.heartbeat, not isinstance(self.heartbeat, NoHeartbeat)),
                             (self.monitor, self.monitor.enabled), (self.snn, self.snn.active),
                             (self.split, True), (stragglers, stragglers is not None),
-                            (overflows, config.fp16.enabled)):  # fmt: skip
+                            (overflows, config.fp16.enabled), (self.ledger, self.ledger is not None)):  # fmt: skip
             if on:
                 self.hooks.add(feature)
-        replica_env = ReplicaEnv.from_env()
         self.checkpointer = Checkpointer.start(
             config.checkpoint, rank_info=rank_info, device=self.device, state=self._training_state,
             steps=self.counters, beat=self.heartbeat, report=self.monitor.event,
-            replica_group=replica_env.group if replica_env is not None else None, close_job=self.close,
+            replica_group=group, close_job=self.close,
         )  # fmt: skip
         closing.callback(self.checkpointer.close)
         self._follow_checkpointer()
@@ -324,6 +326,7 @@ class Engine(DeepSpeedNames):
             self.split.sampler(dataset, shuffle, seed, drop_last, loader_kwargs) if training else None
         )
         replica = self.backend.data_parallel  # the loader shards by data-parallel replica
+        ledger = self.ledger if training else None
         loader = ShardedLoader(
             dataset,
             batch_size=batch_size or self.config.train_micro_batch_size_per_gpu,
@@ -340,10 +343,13 @@ class Engine(DeepSpeedNames):
             shares=self.split.shares() if training else None,
             accumulation=self.counters.accumulation if training and replicated is None else None,
             replicated=replicated,
+            record=ledger.take if ledger is not None else None,
             **loader_kwargs,
         )
         if training:
             self.split.loader_made(loader)
+        if ledger is not None:
+            ledger.loader_made(len(loader.dataset), loader.epoch_samples(), self.config.train_batch_size)  # type: ignore[arg-type]
         self.loaders.add(loader, dataset, arguments)
         return loader
 

@@ -27,6 +27,7 @@ from spikingsail.engine.stragglers import StragglerWatch
 from spikingsail.environments import RankInfo
 from spikingsail.monitor import heartbeat
 from spikingsail.monitor.heartbeat import Heartbeat, NoHeartbeat
+from spikingsail.monitor.ledger import SampleLedger, attempt_id
 from spikingsail.monitor.steps import AccumulatedLossMonitor, StepMonitor
 from spikingsail.monitor.trackers import check_installed, flatten, make_trackers
 
@@ -104,6 +105,24 @@ def monitor(config: SailConfig, rank_info: RankInfo, log_dir: Path, closing: Exi
     closing.callback(steps.close)
     steps.log_hyperparams(flatten(config.raw))
     return steps
+
+
+def ledger(
+    config: SailConfig, rank_info: RankInfo, backend: Backend, log_dir: Path, group: int | None,
+    closing: ExitStack,
+) -> SampleLedger | None:  # fmt: skip
+    """This process's sample ledger (``sail.ledger``; None when off). Collective when on: the ranks
+    agree on the attempt's id."""
+    if not config.sail.ledger:
+        return None
+    distributed = rank_info.world_size > 1 and dist.is_initialized()
+    attempt = attempt_id(backend.all_reduce_sum if distributed else None, rank_info.rank)
+    replica = backend.data_parallel
+    facts = {"rank": rank_info.rank, "world_size": rank_info.world_size, "group": group,
+             "dp_rank": replica.rank, "dp_size": replica.size}  # fmt: skip
+    made = SampleLedger(log_dir, attempt, facts)
+    closing.callback(made.close)
+    return made
 
 
 def straggler_watch(

@@ -1,0 +1,104 @@
+"""The sample ledger (``"sail": {"ledger": true}``): which samples every optimizer step trained on.
+
+Every process appends to a file of its own, ``RUN_DIR/ledger/ATTEMPT-rRANK.jsonl``
+(``ATTEMPT-gGROUP-rRANK`` with replica groups): a header line (the attempt, the process's rank and
+replica group, the dataset's and an epoch's sample count), then one line per committed optimizer step with the dataset indices of the batches this rank took
+in it that counted (``{"step": 12, "epoch": 0, "ids": [...]}``; ``step`` is the engine's
+``global_steps`` after it, as in the metrics file). A line is written with one ``write`` as the step
+ends, so a killed process loses nothing it committed; a step taken again (the replica groups voted
+no) is written once, when it commits.
+
+``ATTEMPT`` is rank 0's clock when the engine started, shared by every rank of the process group:
+a restart, a requeue or a resume on another world size is a later attempt, and the steps it takes
+again supersede what an earlier attempt wrote from its first step on (``ledger_check``). Replica
+groups are attempts of their own: a group started again continues the job's steps beside the
+others'.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from spikingsail.engine.hooks import StepNotes
+
+log = logging.getLogger(__name__)
+
+LEDGER_DIR = "ledger"
+FORMAT = 1
+
+
+def attempt_id(all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None, rank: int) -> int:
+    """Rank 0's wall clock in nanoseconds, the same on every rank of the process group (a sum with
+    the others' zeros): what orders the attempts of a job."""
+    now = torch.tensor([time.time_ns() if rank == 0 else 0], dtype=torch.int64)
+    if all_reduce_sum is None:
+        return int(now.item())
+    return int(all_reduce_sum(now).item())
+
+
+class SampleLedger:
+    """This process's ledger: a step feature (``optimizer_end``, ``discarded``) fed by the training
+    loader (``take``)."""
+
+    def __init__(self, run_dir: Path, attempt: int, facts: dict[str, Any]) -> None:
+        """``facts``: what the header says of the process (rank, world size, replica group, ...)."""
+        self.directory = run_dir / LEDGER_DIR
+        self.attempt, self.facts = attempt, facts
+        group = facts.get("group")
+        name = f"{attempt}-r{facts['rank']}" if group is None else f"{attempt}-g{group}-r{facts['rank']}"
+        self.path = self.directory / f"{name}.jsonl"
+        self._file: IO[str] | None = None
+        self._ids: list[int] = []
+        self._epoch = 0
+        self._loader_facts: dict[str, int] | None = None
+
+    def loader_made(self, samples: int, epoch_samples: int, step_samples: int) -> None:
+        """The training loader's facts, for the header: the dataset's samples, an epoch's (over all
+        ranks), and an optimizer step's; an epoch's last step may be short."""
+        self._loader_facts = {"samples": samples, "epoch_samples": epoch_samples,
+                              "steps_per_epoch": -(-epoch_samples // step_samples)}  # fmt: skip
+
+    def take(self, ids: list[int], epoch: int) -> None:
+        """A batch of the training loader, handed out (the loader calls it)."""
+        self._ids += ids
+        self._epoch = epoch
+
+    def optimizer_end(self, notes: StepNotes) -> None:
+        if self._file is None:
+            self._open()
+        line = {"step": notes.step, "epoch": self._epoch, "ids": self._ids}
+        if notes.skipped:
+            line["skipped"] = True
+        assert self._file is not None
+        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        self._ids = []
+
+    def discarded(self) -> None:
+        """The step is taken again, with the same samples: forget what it took."""
+        self._ids = []
+
+    def _open(self) -> None:
+        if self._loader_facts is None:
+            log.warning("sail.ledger: the training batches do not come from engine.dataloader(...); the "
+                        "ledger records steps without samples")  # fmt: skip
+        self.directory.mkdir(parents=True, exist_ok=True)
+        # line-buffered: each step's line reaches the file (and survives a SIGKILL) with one write
+        self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        header = {"ledger": FORMAT, "attempt": self.attempt, **self.facts, **(self._loader_facts or {}),
+                  "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}  # fmt: skip
+        self._file.write(json.dumps(header, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

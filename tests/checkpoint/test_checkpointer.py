@@ -96,6 +96,29 @@ def test_saves_come_at_the_interval_and_a_load_restores_the_step_and_the_weights
         torch.testing.assert_close(again.model.state_dict()[key], value, rtol=0, atol=0, msg=key)
 
 
+def test_a_save_of_a_step_the_interval_saved_is_skipped_with_a_note_or_adds_the_client_state(
+    tmp_path: Path, jobs: list[Job], caplog: pytest.LogCaptureFixture
+) -> None:
+    """engine.save_checkpoint(path) right after the periodic save of the same step writes nothing again
+    and says so; with a client_state it saves again (the periodic save had none) and says that."""
+    job = Job(tmp_path / "ck", interval_steps=2)
+    jobs.append(job)
+    job.train_to(2)
+    files = {p: p.stat().st_mtime_ns for p in (tmp_path / "ck" / "global_step2").rglob("*")}
+    with caplog.at_level("INFO", logger="spikingsail.checkpoint.checkpointer"):
+        path = job.checkpointer.save(tmp_path / "ck")
+    assert path == str(tmp_path / "ck" / "global_step2")
+    assert "saved at this step already (checkpoint.interval_*); not saved again" in caplog.text
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "ck" / "global_step2").rglob("*")} == files
+    caplog.clear()
+    with caplog.at_level("INFO", logger="spikingsail.checkpoint.checkpointer"):
+        job.checkpointer.save(tmp_path / "ck", client_state={"best": 0.5})
+    assert "saved again, now with client_state" in caplog.text
+    _, client_state = job.checkpointer.load(tmp_path / "ck", None, with_optimizer=True, module_only=False)
+    assert client_state == {"best": 0.5}
+    assert CheckpointStore(tmp_path / "ck").tags() == ["global_step2"]
+
+
 def test_a_background_save_is_settled_at_a_step_and_commits(tmp_path: Path, jobs: list[Job]) -> None:
     job = Job(tmp_path / "ck", save_on_preemption=False)
     jobs.append(job)

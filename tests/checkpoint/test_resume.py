@@ -203,6 +203,8 @@ def test_a_resume_with_a_changed_training_setting_is_refused_naming_both_values(
     message = str(refused.value)
     assert "cannot be resumed with this config" in message and named in message, message
     assert "load_module_only=True" in message
+    # a changed global batch (the usual cause: a resume on fewer processes with the micro-batch set)
+    assert ('put "train_batch_size": 8 in the config' in message) == named.startswith("train_batch_size")
 
 
 def test_where_and_how_a_run_is_kept_may_change_on_resume(tmp_path: Path) -> None:

@@ -127,15 +127,14 @@ def main() -> None:
                 if args.kill_in == "between":
                     os.kill(os.getpid(), signal.SIGKILL)
                 kill_in_first_all_reduce(engine)
-            # torchft's word: a group that heals in this step takes part with no samples (weight 0)
-            counted = engine.replicas is None or engine.replicas.manager.participating_rank() is not None
             loss = F.mse_loss(engine(x), y)
             engine.backward(loss)
             engine.step()
             if engine.global_steps > step:  # committed; written at once, before a kill can come
                 digest = sum(float(full(p).double().sum()) for p in model.parameters())
+                quorum = engine.replicas.manager._quorum_id if engine.replicas is not None else None
                 entry = {"step": step, "ids": sample_ids.flatten().int().tolist(), "digest": digest,
-                         "time": time.time(), "rank": engine.rank, "counted": counted}  # fmt: skip
+                         "time": time.time(), "rank": engine.rank, "quorum": quorum}  # fmt: skip
                 ledger.write(json.dumps(entry) + "\n")
                 ledger.flush()
             time.sleep(args.step_sleep)

@@ -37,7 +37,8 @@ def launch(out: Path, *worker_args: str, groups: int = 2, nproc: int = 1, wait: 
            epochs: int = EPOCHS) -> subprocess.Popen[str]:  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     # a 3 s heartbeat timeout: on a loaded 2-core machine a starved group's 1 s heartbeat can lapse
-    command = [*SAIL, "--ft-replicas", str(groups), "--ft-heartbeat-timeout", "3", "-n", str(nproc), "--max-restarts", "3",
+    # no --max-restarts: a failed group is started again (3 times) by default
+    command = [*SAIL, "--ft-replicas", str(groups), "--ft-heartbeat-timeout", "3", "-n", str(nproc),
                str(WORKER), str(out), str(epochs), "--step-sleep", "0.25", *worker_args]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if wait:
@@ -78,11 +79,21 @@ def ledger(out: Path) -> list[dict[str, Any]]:
 
 
 def committed_samples(out: Path) -> dict[int, list[int]]:
-    """The sample ids of each committed step (counted from 0), over the processes that took part in it."""
-    steps: dict[int, list[int]] = collections.defaultdict(list)
+    """The sample ids of each committed step (counted from 0), over the processes that took part in it.
+    Groups that did not see each other may each have taken a step alone, from the same state (torchft
+    gave each a quorum of its own): then each quorum took the whole step's samples, once."""
+    by_quorum: dict[int, dict[int, list[int]]] = collections.defaultdict(
+        lambda: collections.defaultdict(list)
+    )
     for entry in ledger(out):
-        if entry["counted"]:
-            steps[entry["step"]] += entry["ids"]
+        by_quorum[entry["step"]][entry["quorum"]] += entry["ids"]
+    steps = {}
+    for step, quorums in by_quorum.items():
+        first, *others = (sorted(ids) for ids in quorums.values())
+        assert all(other == first for other in others), (
+            f"step {step}: quorums with different samples {quorums}"
+        )
+        steps[step] = first
     return steps
 
 
@@ -319,6 +330,7 @@ def test_a_groups_killed_agent_is_started_again_and_its_orphaned_worker_ends(tmp
     else:
         assert not Path(f"/proc/{worker}").exists(), "the worker outlived its agent by 10 s"
     output = finish(job)
+    assert "a group that fails is started again up to 3 time(s) (--max-restarts)" in output
     assert "replica group 1 ended with status -9" in output and "starting it again" in output
     assert "replica group 1 in the job at step" in output
     assert len(list(out.glob("ledger-1-*.jsonl"))) == 2
@@ -360,6 +372,21 @@ def test_a_group_alone_continues_from_the_furthest_checkpoint_of_any_group(tmp_p
     steps = committed_samples(out)
     assert sorted(steps) == list(range(24, EPOCHS * STEPS_PER_EPOCH))  # only the last epoch, alone
     assert_same(torch.load(out / "final-1.pt"), reference(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("flags", "restarts"),
+    [([], 3), (["--max-restarts", "0"], 0), (["--max_restarts=1"], 1), (["--max-re", "0"], 0)],
+)
+def test_replica_groups_are_started_again_unless_the_command_line_bounds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str], restarts: int
+) -> None:
+    """--ft-replicas asks for recovery: without --max-restarts a failed group is started again up to
+    3 times; any spelling of --max-restarts torchrun's parser takes (an abbreviation too) bounds it."""
+    monkeypatch.chdir(tmp_path)
+    Path("train.py").write_text("")
+    assert parse_request([*flags, "--ft-replicas", "2", "train.py"]).max_restarts == restarts
+    assert parse_request([*flags, "train.py"]).max_restarts == (0 if not flags else restarts)
 
 
 def test_launch_plans_the_lighthouse_and_one_agent_per_group(

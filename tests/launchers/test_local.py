@@ -305,6 +305,26 @@ def test_a_crashed_rank_shows_where_each_thread_was_not_the_extension_modules(tm
     assert not any("Extension modules" in line for line in reason), reason
 
 
+def test_a_c_plus_plus_terminate_at_exit_is_named_as_torchs_gloo_exit_abort_with_its_workaround(
+    tmp_path: Path,
+) -> None:
+    """std::terminate with no exception (what torch's gloo threads hit at interpreter exit,
+    pytorch/pytorch#190489) after the training ended: the failure says which bug and what to do."""
+    script = tmp_path / "exit_abort.py"
+    script.write_text(
+        "import ctypes, faulthandler\n"
+        "faulthandler.enable()\n"
+        "print('training done', flush=True)\n"
+        "ctypes.CDLL('libstdc++.so.6')['_ZSt9terminatev']()\n"
+    )
+    result = run_sail("launch", "-n", "1", str(script), cwd=tmp_path)
+    assert result.returncode != 0
+    reason = result.stderr[result.stderr.rindex("sail launch: ") :]
+    assert "exited with -6 (SIGABRT)" in reason, reason
+    assert "torch's gloo abort at interpreter exit (pytorch/pytorch#190489" in reason, reason
+    assert "fix: end the script with engine.close()" in reason and "os._exit(0)" in reason, reason
+
+
 @pytest.mark.multiprocess
 def test_an_engine_config_invalid_on_one_rank_is_the_failure_reason(tmp_path: Path) -> None:
     script = tmp_path / "bad_config.py"

@@ -176,9 +176,18 @@ class Checkpointer:
 
             refuse_inside_window(self._steps, "save")
             save_dir = own_group_checkpoints(save_dir, self.replica_group)
+        root = str(Path(save_dir))
+        if tag is None and self._last_saved == (root, self._steps.micro_steps):
+            # the periodic save wrote this step's state here already (engine.save_checkpoint after it)
+            path = str(Path(root) / f"global_step{self._steps.global_steps}")
+            if not client_state:
+                log.info(
+                    "checkpoint %s: saved at this step already (checkpoint.interval_*); not saved again", path
+                )
+                return path
+            log.info("checkpoint %s: saved at this step already; saved again, now with client_state", path)
         on_rank_zero(lambda: fence(save_dir), self.rank_info)  # a job whose lock was taken over saves nothing
         background = self.policy.async_save if async_save is None else async_save
-        root = str(Path(save_dir))
         self._beat.enter(CHECKPOINT)
         try:
             handle = engine_state.save(

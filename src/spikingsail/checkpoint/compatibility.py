@@ -59,13 +59,20 @@ def check_resumable(
             "the window's partial gradients belong to the micro-batches, ranks and backend that computed them",
             "resume with the saved split and backend, or from a checkpoint saved on a step boundary",
         )
+    batch = (
+        f'put "train_batch_size": {saved["train_batch_size"]} in the config (a resume on another number of '
+        "processes keeps the global batch: the engine divides it into micro-batches and accumulation "
+        "steps for this run's processes); "
+        if any(d.startswith("train_batch_size:") for d in differences)
+        else ""
+    )
     raise CheckpointError(
         f"{path} cannot be resumed with this config: {'; '.join(differences)}",
         "a resume continues the saved run, whose optimizer, scheduler, loss scaler, data order and "
         "batch it restores; a changed setting would be overridden or would change the run halfway",
-        "set those keys back to the saved values to resume; to begin a new run from the saved weights "
-        "with new settings, call engine.load_checkpoint(DIR, TAG, load_module_only=True) instead of "
-        "--resume",
+        f"{batch}set those keys back to the saved values to resume; to begin a new run from the saved "
+        "weights with new settings, call engine.load_checkpoint(DIR, TAG, load_module_only=True) instead "
+        "of --resume",
     )
 
 

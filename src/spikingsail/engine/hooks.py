@@ -58,6 +58,8 @@ class StepNotes:
     loss: Any = None
     balance: dict[str, Any] | None = None
     stragglers: dict[str, Any] | None = None
+    quorum: int | None = None
+    """With replica groups: the torchft quorum that committed the step."""
 
 
 class StepHooks:

@@ -219,6 +219,12 @@ class ReplicaSplit(EqualSplit):
             p for group in self.optimizer.param_groups for p in group["params"]
         )
 
+    def optimizer_end(self, notes: StepNotes) -> None:
+        """Which quorum committed the step: two groups that did not see each other may each take the
+        same step alone (the sample ledger tells them apart)."""
+        assert self.replicas is not None
+        notes.quorum = self.replicas.manager._quorum_id  # torchft keeps no public name for it
+
     def sampler(self, dataset: Dataset[Any], shuffle: bool, seed: int, drop_last: bool,
                 loader_kwargs: dict[str, Any]) -> ReplicaBatchSampler | None:  # fmt: skip
         if loader_kwargs.get("num_workers", 0):

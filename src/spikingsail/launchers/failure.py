@@ -76,6 +76,25 @@ def crash_report(lines: list[str]) -> list[str] | None:
     return None
 
 
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def known_cause(lines: list[str]) -> tuple[str, str] | None:
+    """(why, fix) of a failure whose cause is known from its output: torch's gloo abort at the
+    interpreter's exit (pytorch/pytorch#190489), else None."""
+    if not any(GLOO_EXIT_ABORT in line for line in lines):
+        return None
+    return (
+        f'"{GLOO_EXIT_ABORT}" is, most likely, torch\'s gloo abort at interpreter exit '
+        "(pytorch/pytorch#190489, torch 2.13 to 2.14 at least; about one run in ten to twenty of a plain DDP "
+        "script): DDP keeps the process group's threads alive, and one frees a work item while Python "
+        "shuts down; the training itself had ended if the rank printed its last output",
+        "end the script with engine.close() (the engine ends those threads first), or in a plain torchrun "
+        "script: del model, optimizer; dist.destroy_process_group(); os._exit(0) — see 'Move a torchrun "
+        "script over' in the docs",
+    )
+
+
 def _fields(lines: list[str], prefix: str) -> list[str]:
     out: list[str] = []
     for line in lines:

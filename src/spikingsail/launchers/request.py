@@ -153,6 +153,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="R",
         help="run R replica groups of -n processes, each under its own torchrun agent, with torchft's "
         "lighthouse: a group that dies is restarted and heals from a live one while the others train on "
+        f"(up to --max-restarts times, {FT_RESTARTS} unless given) "
         f"(with -H at most one group per host; here at most {MAX_SLOTS} processes in all)",
     )
     own.add_argument(
@@ -216,9 +217,13 @@ def parse_request(argv: list[str]) -> LaunchRequest:
             "--ft-heartbeat-timeout", ns.ft_heartbeat_timeout, 0, "give a positive number, e.g. 1"
         ),
         world_size=_world_size(name, nodes, flags, ns.training_script, groups),
-        max_restarts=int(ns.max_restarts),
+        max_restarts=FT_RESTARTS if groups and not torchrun.explicit_max_restarts else int(ns.max_restarts),
     )
 
+
+FT_RESTARTS = 3
+"""With ``--ft-replicas`` and no ``--max-restarts``: how often a failed group is started again (recovery
+is what the flag asks for; ``--max-restarts 0`` keeps a dead group dead)."""
 
 _LAUNCHER_ARGS = ("--launcher-args", "--launcher_args")
 

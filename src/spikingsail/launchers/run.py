@@ -14,7 +14,7 @@ import sys
 from spikingsail.errors import LaunchError
 from spikingsail.launchers import launcher_for, plan
 from spikingsail.launchers.command import LaunchCommand
-from spikingsail.launchers.failure import Failure
+from spikingsail.launchers.failure import Failure, known_cause
 from spikingsail.launchers.local import run_local
 from spikingsail.launchers.preflight import check_config, check_hosts, config_paths
 from spikingsail.launchers.replicas import (
@@ -102,9 +102,14 @@ def _run_replica_groups(request: LaunchRequest) -> int:
         if request.nodes
         else "on this machine"
     )
-    log.info("launching %d replica groups of %s process(es) per node %s with torchft's lighthouse at %s:%d",
+    restarts = (
+        f"a group that fails is started again up to {request.max_restarts} time(s) (--max-restarts)"
+        if request.max_restarts
+        else "a group that fails stays down (--max-restarts 0); the others finish and the job fails"
+    )
+    log.info("launching %d replica groups of %s process(es) per node %s with torchft's lighthouse at %s:%d; %s",
              replicas.groups, request.nproc_per_node, where, replicas.lighthouse_host,
-             replicas.lighthouse_port)  # fmt: skip
+             replicas.lighthouse_port, restarts)  # fmt: skip
     return run_replica_groups(commands, lighthouse, request.max_restarts)
 
 
@@ -138,5 +143,6 @@ def _report(failure: Failure) -> None:
     """The job's failure reason, last: the rank's own SpikingSail error when it stopped on one."""
     text = failure.describe()
     if failure.reported is None:
-        text = str(LaunchError(text, fix="see the node output above"))
+        why, fix = known_cause(failure.tail) or ("", "see the node output above")
+        text = str(LaunchError(text, why, fix))
     print(f"sail launch: {text}", file=sys.stderr, flush=True)

@@ -118,6 +118,11 @@ class TorchrunArgs:
         return bool(self.written & RENDEZVOUS_FLAGS)
 
     @property
+    def explicit_max_restarts(self) -> bool:
+        """``--max-restarts`` on the command line (any spelling argparse takes, an abbreviation too)."""
+        return any(len(flag) > 2 and "--max-restarts".startswith(flag) for flag in self.written)
+
+    @property
     def chooses_signals(self) -> bool:
         return "--signals-to-handle" in self.written
 

@@ -79,6 +79,8 @@ class SampleLedger:
         line = {"step": notes.step, "epoch": self._epoch, "ids": self._ids}
         if notes.skipped:
             line["skipped"] = True
+        if notes.quorum is not None:
+            line["quorum"] = notes.quorum
         assert self._file is not None
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
         self._ids = []

@@ -30,8 +30,8 @@ SHOWN = 8
 class LedgerFile:
     path: Path
     header: dict[str, Any]
-    steps: list[tuple[int, int, list[int]]] = field(default_factory=list)
-    """(step, epoch, ids) of each line after the header, in the file's order."""
+    steps: list[tuple[int, int, list[int], int | None]] = field(default_factory=list)
+    """(step, epoch, ids, quorum) of each line after the header, in the file's order."""
     truncated: bool = False
     """The last line was cut short (the process was killed while writing it): left out."""
 
@@ -91,10 +91,10 @@ def _read(path: Path) -> LedgerFile:
                     raise ValueError(f"not a ledger header of format {FORMAT}")
                 parsed = LedgerFile(path, value)
                 continue
-            step, epoch, ids = value["step"], value["epoch"], value["ids"]
+            step, epoch, ids, quorum = value["step"], value["epoch"], value["ids"], value.get("quorum")
             if not (isinstance(step, int) and isinstance(epoch, int) and isinstance(ids, list)
-                    and all(isinstance(i, int) for i in ids)):  # fmt: skip
-                raise ValueError("step and epoch must be integers, ids a list of integers")
+                    and all(isinstance(i, int) for i in ids) and isinstance(quorum, int | None)):  # fmt: skip
+                raise ValueError("step, epoch and quorum must be integers, ids a list of integers")
         except (ValueError, KeyError) as err:
             if number == len(lines) and not ended:
                 if parsed is not None:
@@ -106,7 +106,7 @@ def _read(path: Path) -> LedgerFile:
                 "the file was changed by hand or by another program: restore it, or move it out of the "
                 "ledger directory (its steps then count as missing)",
             ) from None
-        parsed.steps.append((step, epoch, ids))
+        parsed.steps.append((step, epoch, ids, quorum))
     if parsed is None:
         raise ReportError(f"{path}: an empty ledger file", fix="move it out of the ledger directory")
     return parsed
@@ -130,23 +130,27 @@ def resolve(run: Path) -> Ledger:
                 f"the attempts disagree on {key}: {sorted(values)} (another dataset or batch size?)"
             )
     _check_files(ledger, files)
+    taken: dict[int, dict[int | None, list[int]]] = collections.defaultdict(
+        lambda: collections.defaultdict(list)
+    )
     for attempts in by_group.values():
         cut: float = float("inf")  # the first step of any later attempt of this group
         redone: set[int] = set()
         for attempt in sorted(attempts, reverse=True):
-            first = min((step for f in attempts[attempt] for step, _, _ in f.steps), default=None)
+            first = min((record[0] for f in attempts[attempt] for record in f.steps), default=None)
             for item in attempts[attempt]:
-                for step, epoch, ids in item.steps:
+                for step, epoch, ids, quorum in item.steps:
                     if step >= cut:
                         redone.add(step)
                         continue
-                    ledger.steps.setdefault(step, []).extend(ids)
+                    taken[step][quorum].extend(ids)
                     if ledger.epochs.setdefault(step, epoch) != epoch:
                         ledger.problems.append(f"step {step} is in epoch {ledger.epochs[step]} in one record and "
                                                f"{epoch} in another")  # fmt: skip
             if first is not None:
                 cut = min(cut, first)
         ledger.redone += len(redone)
+    _merge_quorums(ledger, taken)
     _check_steps(ledger)
     return ledger
 
@@ -156,9 +160,26 @@ def _check_files(ledger: Ledger, files: list[LedgerFile]) -> None:
         if item.truncated:
             ledger.notes.append(f"{item.path.name}: its last line was cut short (the process was killed while "
                                 "writing it) and is left out")  # fmt: skip
-        order = [step for step, _, _ in item.steps]
+        order = [record[0] for record in item.steps]
         if any(b <= a for a, b in itertools.pairwise(order)):
             ledger.problems.append(f"{item.path.name}: the steps are not in order ({_listed(order)})")
+
+
+def _merge_quorums(ledger: Ledger, taken: dict[int, dict[int | None, list[int]]]) -> None:
+    """A step's samples over the ranks and groups that took it. Replica groups that did not see each
+    other (each in a quorum of its own) may each take the same step from the same state: with the
+    same samples that is the same update, counted once; with others, both count."""
+    apart = []
+    for step, quorums in sorted(taken.items()):
+        first, *others = quorums.values()
+        if others and all(sorted(other) == sorted(first) for other in others):
+            apart.append(step)
+            ledger.steps[step] = first
+        else:
+            ledger.steps[step] = [i for ids in quorums.values() for i in ids]
+    if apart:
+        ledger.notes.append(f"{len(apart)} step(s) were each taken by replica groups apart, in quorums of their "
+                            f"own, with the same samples (counted once): {_listed(apart)}")  # fmt: skip
 
 
 def _check_steps(ledger: Ledger) -> None:

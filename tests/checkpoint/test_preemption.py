@@ -85,6 +85,9 @@ def test_sigusr1_to_sail_launch_reaches_every_worker(tmp_path: Path) -> None:
     _, stderr = process.communicate(timeout=90)
     assert process.returncode != 0
     assert stderr.count("preempted by signal SIGUSR1") == 2, stderr[-3000:]
+    # a stop asked for, not a crash: torchrun's agent says so in a line, with no traceback
+    assert "torchrun: stopped by SIGUSR1, which it passed on to the workers" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
     store = CheckpointStore(checkpoints)
     stopped_at = int(store.metadata(str(store.latest()))["global_steps"])
     requeued = subprocess.run(

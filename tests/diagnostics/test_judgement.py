@@ -304,7 +304,7 @@ def test_a_clock_far_off_is_a_warning(cpu_facts: dict[str, Any]) -> None:
         ("root@node2: Permission denied (publickey,password).", "the host asks for a password", "ssh-copy-id node2"),
         ("u@node2: Permission denied (publickey,gssapi-keyex,gssapi-with-mic).", "the host refused the key", "chmod 700"),
         ("root@node2: Permission denied (publickey,keyboard-interactive).", "the host asks for a password", "ssh-copy-id node2"),
-        ("Host key verification failed.", "the host's key is unknown or changed", "ssh node2"),
+        ("Host key verification failed.", "the host's key is unknown or changed", "--ssh-config FILE"),
         ("ssh: Could not resolve hostname node2: Name or service not known", "the name does not resolve", "/etc/hosts"),
         ("ssh: connect to host node2 port 222: Connection refused", "no ssh server listens", "--ssh-port"),
     ],

@@ -204,9 +204,16 @@ class _ForkedAgent:
             if stop.code is not None and not isinstance(stop.code, int):
                 print(stop.code, file=sys.stderr)
         except BaseException as err:
+            from torch.distributed.elastic.multiprocessing.api import SignalException
             from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-            if isinstance(err, ChildFailedError) and not debugging():
+            if isinstance(err, SignalException) and not debugging():
+                # a stop asked for (SIGTERM, SIGUSR1: a preemption), not a crash: no traceback
+                name = signal.Signals(err.sigval).name
+                print(f"torchrun: stopped by {name}, which it passed on to the workers (with a checkpoint path "
+                      "they save and exit 75; the same command with --resume continues)", file=sys.stderr)  # fmt: skip
+                code = 128 + err.sigval
+            elif isinstance(err, ChildFailedError) and not debugging():
                 # torchrun's table of the failed ranks; the agent's own traceback says nothing more
                 # (sail launch names the cause last), so it is printed at debug level only
                 print(f"torchrun: {err}", file=sys.stderr)

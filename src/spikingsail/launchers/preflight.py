@@ -26,8 +26,10 @@ _DIAGNOSES = (
      "the host refused the key: its ~/.ssh/authorized_keys lacks this machine's public key, or sshd "
      "ignores the file because ~/.ssh is not 700 or authorized_keys not 600 (StrictModes)",
      "ssh-copy-id {host}; then on {host}: chmod 700 ~/.ssh && chmod 600 ~/.ssh/authorized_keys"),
-    ("Host key verification failed", "the host's key is unknown or changed",
-     "connect once by hand (ssh {host}) to accept its key, or fix ~/.ssh/known_hosts"),
+    ("Host key verification failed", "the host's key is unknown or changed (not in the known_hosts ssh reads)",
+     "when an ssh config of its own knows the host (its HostName, IdentityFile and UserKnownHostsFile: "
+     "a cluster's, scripts/two-nodes.sh's practice cluster), pass it: sail launch --ssh-config FILE; "
+     "else connect once by hand (ssh {host}) to accept its key, or fix ~/.ssh/known_hosts"),
     ("Could not resolve hostname", "the name does not resolve", "check the hostfile, /etc/hosts or DNS"),
     ("timed out", "nothing answered on the ssh port", "check the address, the firewall and --ssh-port"),
     ("Connection refused", "no ssh server listens on that port", "start sshd, or pass --ssh-port"),

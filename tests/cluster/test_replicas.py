@@ -29,7 +29,7 @@ SAIL = [sys.executable, "-m", "spikingsail.cli.main", "launch"]
 
 
 def start(
-    cluster: NamespaceCluster, tmp_path: Path, step_sleep: float = 0.4
+    cluster: NamespaceCluster, tmp_path: Path, *worker_args: str, step_sleep: float = 0.4
 ) -> tuple[subprocess.Popen[str], Path]:
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node1 slots=1\nnode2 slots=1\n")
@@ -37,7 +37,7 @@ def start(
     out.mkdir()
     argv = [*SAIL, "-H", str(hostfile), "--ssh-config", str(cluster.ssh_config), "--ft-replicas", "2",
             "--ft-heartbeat-timeout", "3", "--max-restarts", "3",
-            str(WORKER), str(out), str(EPOCHS), "--step-sleep", str(step_sleep)]  # fmt: skip
+            str(WORKER), str(out), str(EPOCHS), "--step-sleep", str(step_sleep), *worker_args]  # fmt: skip
     job = subprocess.Popen(
         cluster.node_argv("node1", argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         cwd=tmp_path,
@@ -79,9 +79,9 @@ def assert_both_groups_finished(out: Path) -> None:
 def test_node2s_agent_killed_the_group_is_started_again_and_heals_from_node1(
     cluster: NamespaceCluster, tmp_path: Path
 ) -> None:
-    # 1 s steps: group 0 is still training when group 1 is back (ssh, torchrun and the engine take
-    # 15-25 s to start again here); a group started after the others finished trains alone
-    job, out = start(cluster, tmp_path, step_sleep=1.0)
+    # min_replicas 2: group 0 waits for group 1's restart (ssh, torchrun and the engine take 15-25 s
+    # here, more on a loaded machine) instead of racing it to the end of the run
+    job, out = start(cluster, tmp_path, "--min-replicas", "2")
     worker = _wait_for_worker(out, 1)
     agent = agent_on(cluster, "node2")
     os.kill(agent, signal.SIGKILL)

@@ -116,6 +116,35 @@ def test_a_restart_that_took_earlier_samples_again_is_named(tmp_path: Path) -> N
     assert "PROBLEM epoch 0: 4 of its 8 samples never trained: 4, 5, 6, 7" in done.stdout
 
 
+def test_replica_groups_that_all_restarted_from_a_checkpoint_count_each_step_once(tmp_path: Path) -> None:
+    """Two groups took steps 1-4 (half the samples each) and ended; group 0 alone started again from
+    the checkpoint at step 2 and took steps 3 and 4 with the whole batch. Group 1's steps 3 and 4
+    were lost with it: superseded, though group 1 never started again. A group that heals while
+    another trains (group 1 at step 3, beside group 0) supersedes nothing of the other's."""
+    ledger = tmp_path / "run" / "ledger"
+    half = {0: [[0, 1], [4, 5], [0, 1], [4, 5]], 1: [[2, 3], [6, 7], [2, 3], [6, 7]]}
+    for group in (0, 1):
+        records = [{**step(n, half[group][n - 1]), "time": 1.0 + n} for n in range(1, 5)]
+        write(
+            ledger,
+            f"{group + 1}000000000-g{group}-r0.jsonl",
+            header((group + 1) * 10**9, group=group),
+            *records,
+        )
+    write(ledger, "10000000000-g0-r0.jsonl", header(10 * 10**9, group=0),
+          {**step(3, [0, 1, 2, 3]), "time": 11.0}, {**step(4, [4, 5, 6, 7]), "time": 12.0})  # fmt: skip
+    resolved = ledger_check.resolve(tmp_path / "run")
+    assert resolved.problems == [] and resolved.redone == 4, ledger_check.report(resolved)
+    assert {s: sorted(i) for s, i in resolved.steps.items()} == {1: [0, 1, 2, 3], 2: [4, 5, 6, 7],
+                                                                  3: [0, 1, 2, 3], 4: [4, 5, 6, 7]}  # fmt: skip
+    # group 1 heals at step 3 while group 0's first attempt trains on: nothing of group 0's is superseded
+    write(ledger, "10000000000-g0-r0.jsonl", header(10 * 10**9, group=0))  # took no step
+    write(ledger, "1500000000-g1-r0.jsonl", header(int(1.5 * 10**9), group=1),
+          {**step(3, [2, 3]), "time": 4.1}, {**step(4, [6, 7]), "time": 5.1})  # fmt: skip
+    resolved = ledger_check.resolve(tmp_path / "run")
+    assert resolved.problems == [] and resolved.redone == 2, ledger_check.report(resolved)
+
+
 def test_lost_samples_missing_steps_and_steps_out_of_order_are_named(tmp_path: Path) -> None:
     ledger = tmp_path / "run" / "ledger"
     write(ledger, "1-r0.jsonl", header(1), step(1, [0, 1, 2]), step(2, [4, 5, 6, 7]), step(5, [0, 1]),

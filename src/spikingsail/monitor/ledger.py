@@ -12,7 +12,8 @@ no) is written once, when it commits.
 a restart, a requeue or a resume on another world size is a later attempt, and the steps it takes
 again supersede what an earlier attempt wrote from its first step on (``ledger_check``). Replica
 groups are attempts of their own: a group started again continues the job's steps beside the
-others'.
+others' (a group that had ended before it started, as when every group restarted from a
+checkpoint, is superseded from its first step on too).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class SampleLedger:
     def optimizer_end(self, notes: StepNotes) -> None:
         if self._file is None:
             self._open()
-        line = {"step": notes.step, "epoch": self._epoch, "ids": self._ids}
+        line = {"step": notes.step, "epoch": self._epoch, "ids": self._ids, "time": round(time.time(), 3)}
         if notes.skipped:
             line["skipped"] = True
         if notes.quorum is not None:

@@ -30,8 +30,8 @@ SHOWN = 8
 class LedgerFile:
     path: Path
     header: dict[str, Any]
-    steps: list[tuple[int, int, list[int], int | None]] = field(default_factory=list)
-    """(step, epoch, ids, quorum) of each line after the header, in the file's order."""
+    steps: list[tuple[int, int, list[int], int | None, float]] = field(default_factory=list)
+    """(step, epoch, ids, quorum, time) of each line after the header, in the file's order."""
     truncated: bool = False
     """The last line was cut short (the process was killed while writing it): left out."""
 
@@ -92,9 +92,13 @@ def _read(path: Path) -> LedgerFile:
                 parsed = LedgerFile(path, value)
                 continue
             step, epoch, ids, quorum = value["step"], value["epoch"], value["ids"], value.get("quorum")
+            when = value.get("time", 0.0)
             if not (isinstance(step, int) and isinstance(epoch, int) and isinstance(ids, list)
-                    and all(isinstance(i, int) for i in ids) and isinstance(quorum, int | None)):  # fmt: skip
-                raise ValueError("step, epoch and quorum must be integers, ids a list of integers")
+                    and all(isinstance(i, int) for i in ids) and isinstance(quorum, int | None)
+                    and isinstance(when, int | float)):  # fmt: skip
+                raise ValueError(
+                    "step, epoch and quorum must be integers, ids a list of integers, time a number"
+                )
         except (ValueError, KeyError) as err:
             if number == len(lines) and not ended:
                 if parsed is not None:
@@ -106,7 +110,7 @@ def _read(path: Path) -> LedgerFile:
                 "the file was changed by hand or by another program: restore it, or move it out of the "
                 "ledger directory (its steps then count as missing)",
             ) from None
-        parsed.steps.append((step, epoch, ids, quorum))
+        parsed.steps.append((step, epoch, ids, quorum, float(when)))
     if parsed is None:
         raise ReportError(f"{path}: an empty ledger file", fix="move it out of the ledger directory")
     return parsed
@@ -133,22 +137,25 @@ def resolve(run: Path) -> Ledger:
     taken: dict[int, dict[int | None, list[int]]] = collections.defaultdict(
         lambda: collections.defaultdict(list)
     )
-    for attempts in by_group.values():
-        cut: float = float("inf")  # the first step of any later attempt of this group
+    ends = {(g, a): max((r[4] for f in files for r in f.steps), default=a / 1e9)
+            for g, attempts in by_group.items() for a, files in attempts.items()}  # fmt: skip
+    firsts = {(g, a): min((r[0] for f in files for r in f.steps), default=None)
+              for g, attempts in by_group.items() for a, files in attempts.items()}  # fmt: skip
+    for (group, attempt), ended in ends.items():
+        # from its first step on, an attempt supersedes its group's earlier attempts, and the other
+        # groups' attempts that had ended before it started (the job restarted from a checkpoint)
+        cut = min((first for (g, a), first in firsts.items() if first is not None and (
+            (g == group and a > attempt) or (g != group and a / 1e9 > ended))), default=float("inf"))  # fmt: skip
         redone: set[int] = set()
-        for attempt in sorted(attempts, reverse=True):
-            first = min((record[0] for f in attempts[attempt] for record in f.steps), default=None)
-            for item in attempts[attempt]:
-                for step, epoch, ids, quorum in item.steps:
-                    if step >= cut:
-                        redone.add(step)
-                        continue
-                    taken[step][quorum].extend(ids)
-                    if ledger.epochs.setdefault(step, epoch) != epoch:
-                        ledger.problems.append(f"step {step} is in epoch {ledger.epochs[step]} in one record and "
-                                               f"{epoch} in another")  # fmt: skip
-            if first is not None:
-                cut = min(cut, first)
+        for item in by_group[group][attempt]:
+            for step, epoch, ids, quorum, _ in item.steps:
+                if step >= cut:
+                    redone.add(step)
+                    continue
+                taken[step][quorum].extend(ids)
+                if ledger.epochs.setdefault(step, epoch) != epoch:
+                    ledger.problems.append(f"step {step} is in epoch {ledger.epochs[step]} in one record and "
+                                           f"{epoch} in another")  # fmt: skip
         ledger.redone += len(redone)
     _merge_quorums(ledger, taken)
     _check_steps(ledger)

@@ -53,6 +53,10 @@ class Ledger:
     steps_per_epoch: int | None
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    repeated: int = 0
+    """Extra trainings of samples within an epoch (a sample trained three times counts 2)."""
+    lost: int = 0
+    """Samples of finished epochs that never trained."""
 
 
 def _listed(values: list[int]) -> str:
@@ -206,6 +210,7 @@ def _check_steps(ledger: Ledger) -> None:
     for epoch, in_epoch in sorted(per_epoch.items()):
         counts = collections.Counter(i for step in in_epoch for i in ledger.steps[step])
         twice = sorted(i for i, n in counts.items() if n > 1)
+        ledger.repeated += sum(counts[i] - 1 for i in twice)
         if twice:
             where = sorted({s for s in in_epoch for i in ledger.steps[s] if counts[i] > 1})
             ledger.problems.append(f"epoch {epoch}: {len(twice)} sample(s) trained more than once: {_listed(twice)} "
@@ -217,6 +222,7 @@ def _check_steps(ledger: Ledger) -> None:
             continue
         expected = ledger.epoch_samples or 0
         if len(counts) < expected:
+            ledger.lost += expected - len(counts)
             named_ids = expected == ledger.samples and expected <= 10**7  # which ids: what every epoch has
             lost = sorted(set(range(expected)) - set(counts)) if named_ids else []
             named = f": {_listed(lost)}" if lost else ""

@@ -134,6 +134,30 @@ def test_an_extension_built_before_this_torch(tmp_path: Path, monkeypatch: pytes
     ]
 
 
+def test_an_extension_another_environment_built_warns_and_one_that_does_not_load_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same torch in another virtual environment built it: it loads here, so a plain DDP job,
+    which never uses the op, is not failed for it; a build whose symbols do not resolve is."""
+    built = tmp_path / "deepspeed_shm_comm"
+    built.mkdir()
+    (built / "build.ninja").write_text(
+        "cflags = -isystem /other/venv/lib/python3.11/site-packages/torch/include\n"
+    )
+    (built / "lib.c").write_text("int shm_comm(void) { return 0; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(built / "shm.so"), str(built / "lib.c")], check=True)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    ((status, detail),) = [(f.status, f.detail) for f in judged() if f.check == "torch extensions"]
+    assert status is Status.WARN, detail
+    assert "built against the torch at /other/venv/" in detail and "it loads here" in detail
+    (built / "lib.c").write_text(
+        "extern int sail_missing_symbol(void);\nint shm_comm(void) { return sail_missing_symbol(); }\n"
+    )
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(built / "shm.so"), str(built / "lib.c")], check=True)
+    ((status, detail),) = [(f.status, f.detail) for f in judged() if f.check == "torch extensions"]
+    assert status is Status.FAIL and "does not load" in detail and "sail_missing_symbol" in detail
+
+
 def test_loose_ssh_files_and_an_unprotected_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ssh = tmp_path / ".ssh"
     ssh.mkdir(mode=0o777)

@@ -1,6 +1,6 @@
 """Chaos: a job of two replica groups on the two-node namespace cluster, under a seeded stream of faults.
 
-    python benchmarks/chaos.py                                  # 60 faults, seed 1, 150 epochs (~30 min)
+    python benchmarks/chaos.py                                  # 60 faults, seed 1, 450 epochs (~30 min each run)
     python benchmarks/chaos.py --faults 4 --epochs 6 --seed 3   # a short one
 
 The job is ``sail launch -H hostfile --ft-replicas 2`` over the cluster's two nodes (one group per

@@ -112,6 +112,10 @@ def test_a_5_second_network_cut_leaves_node2s_group_out_and_it_heals(
             subprocess.run([*iptables, "-D", *rule], check=True)
     output = finish(job, out)
     assert "replica group 1 was left behind" in output  # left out, then healed from group 0
+    # torch's c10d line at every connection of a node without a reverse name: explained once per sail
+    # launch (the job's, and each group's), not repeated
+    assert "The hostname of the client socket cannot be retrieved" not in output
+    assert 1 <= output.count("torch's c10d store found no name") <= 3
     assert len(list(out.glob("ledger-1-*.jsonl"))) >= 1
     assert_trained_as_one_process(out, tmp_path)
     assert_both_groups_finished(out)

@@ -182,6 +182,15 @@ def _environment(command: LaunchCommand) -> dict[str, str]:
     return dict(command.env) if command.clean_env else {**os.environ, **command.env}
 
 
+_C10D_NO_NAME = re.compile(r"\[c10d\] The hostname of the client socket cannot be retrieved\. err=")
+_C10D_EXPLAINED = (
+    "sail: torch's c10d store found no name for a connecting node's address (a reverse DNS lookup "
+    "failed; the line says so at every connection, and sail shows it no more): harmless, the store "
+    "works by address; a PTR record or an /etc/hosts line for each node's address ends it"
+)
+_explained = threading.Event()
+
+
 def _relay(run: Running, output: Callable[[str], None]) -> None:
     assert run.process.stdout is not None
     prefix = f"[{run.command.host}] "
@@ -190,6 +199,11 @@ def _relay(run: Running, output: Callable[[str], None]) -> None:
         line = raw.decode(errors="replace").rstrip("\r\n").replace("\r", "")
         if run.command.heartbeat and line == TETHER_READY:
             run.connected = True
+            continue
+        if _C10D_NO_NAME.search(line):  # torch's noise on every connection of a node without a PTR record
+            if not _explained.is_set():
+                _explained.set()
+                output(prefix + _C10D_EXPLAINED)
             continue
         run.tail.append(line)
         output(prefix + line)

@@ -124,8 +124,14 @@ def config_rows() -> list[Row]:
     top = field_docs(schema.SailConfig)
     top_fields = {f.name: f for f in dataclasses.fields(schema.SailConfig)}
     batch_range = parse._BATCH_RANGE.describe()
-    rows = [Row(key, "int", "implied by the other two" if key != "gradient_accumulation_steps" else "1", batch_range,
-                top.get(key, "")) for key in parse.BATCH_KEYS]  # fmt: skip
+    # DeepSpeed's rule (parse._resolve_batch): any two imply the third; one of the first two is required
+    defaults = {
+        "train_batch_size": "micro × accumulation × processes (required unless the micro batch is given)",
+        "train_micro_batch_size_per_gpu": "train_batch_size ÷ (accumulation × processes) (required unless "
+        "train_batch_size is given)",
+        "gradient_accumulation_steps": "1; with the other two given, train_batch_size ÷ (micro × processes)",
+    }
+    rows = [Row(key, "int", defaults[key], batch_range, top.get(key, "")) for key in parse.BATCH_KEYS]
     for key in parse._SCALARS:
         spec = top_fields[key]
         rows.append(Row(key, str(spec.type), _default(spec), _allowed(spec), top.get(key, "")))

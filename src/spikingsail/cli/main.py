@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Callable
 
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     except SailError as err:
         print(f"sail {command}: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (sail report ... | head): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141  # 128 + SIGPIPE, as a shell reports a command a closed pipe stopped
 
 
 if __name__ == "__main__":

@@ -337,26 +337,45 @@ def processes_with(marker: str) -> dict[int, str]:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m tests.cluster.harness CMD...``: run CMD on node1 of a fresh two-node cluster.
-
-    ``{hostfile}`` and ``{ssh_config}`` in CMD are replaced by the cluster's files.
-    """
+    """``python -m tests.cluster.harness [--shell | CMD...]``: a fresh two-node cluster, then on node1
+    CMD (``{hostfile}`` and ``{ssh_config}`` in it are replaced by the cluster's files), or with
+    ``--shell`` an interactive shell. On node1 the cluster's ssh config, key and known hosts are
+    ``~/.ssh`` (bind-mounted in node1's own mount namespace only), so ``ssh node2`` and
+    ``sail launch -H HOSTFILE`` work as on a real cluster, without ``--ssh-config``. The cluster is
+    torn down when the command or the shell ends."""
     import sys
     import tempfile
 
+    shell = argv[:1] == ["--shell"]
+    argv = argv[1:] if shell or argv[:1] == ["--"] else argv
     workdir = Path(tempfile.mkdtemp(prefix="sail-cluster-"))
     cluster = NamespaceCluster(workdir)
     hostfile = workdir / "hostfile"
     hostfile.write_text("node1 slots=1\nnode2 slots=1\n")
-    command = [a.format(hostfile=hostfile, ssh_config=cluster.ssh_config) for a in argv]
+    command = (
+        ["bash", "-i"]
+        if shell
+        else [a.format(hostfile=hostfile, ssh_config=cluster.ssh_config) for a in argv]
+    )
+    dot_ssh = workdir / "dot_ssh"
     try:
         cluster.start()
+        dot_ssh.mkdir(mode=0o700)
+        (dot_ssh / "config").write_text(cluster.ssh_config.read_text())
+        home_ssh = Path.home() / ".ssh"
+        prelude = f"mkdir -p {home_ssh} && mount --bind {dot_ssh} {home_ssh}"
         print(
-            f"[cluster] node1 {cluster.address['node1']}, node2 {cluster.address['node2']}; on node1: "
-            + " ".join(command),
+            f"[cluster] node1 {cluster.address['node1']}, node2 {cluster.address['node2']}\n"
+            f"[cluster] hostfile {hostfile} (node1 slots=1, node2 slots=1; $HOSTFILE on node1)\n"
+            f"[cluster] ssh config {cluster.ssh_config}: ~/.ssh/config on node1 (ssh node2 works there)\n"
+            + ("[cluster] a shell on node1; exit it to tear the cluster down"
+               if shell else "[cluster] on node1: " + " ".join(command)),
             flush=True,
-        )
-        return subprocess.run(cluster.node_argv("node1", command), check=False, stdin=sys.stdin).returncode
+        )  # fmt: skip
+        env = {**os.environ, "HOSTFILE": str(hostfile)}
+        return subprocess.run(
+            cluster.node_argv("node1", command, prelude), check=False, stdin=sys.stdin, env=env
+        ).returncode
     finally:
         cluster.stop()
         shutil.rmtree(workdir, ignore_errors=True)

@@ -184,7 +184,19 @@ def test_two_runs_that_took_different_samples_in_a_step_are_told_apart(tmp_path:
 
 
 KEYS = st.sampled_from(
-    ["ledger", "attempt", "step", "epoch", "ids", "samples", "epoch_samples", "steps_per_epoch"]
+    [
+        "ledger",
+        "attempt",
+        "group",
+        "step",
+        "epoch",
+        "ids",
+        "quorum",
+        "time",
+        "samples",
+        "epoch_samples",
+        "steps_per_epoch",
+    ]
 )
 VALUES = st.one_of(
     st.integers(-3, 3), st.booleans(), st.none(), st.text(max_size=3), st.lists(st.integers(-1, 9))

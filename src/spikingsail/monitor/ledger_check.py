@@ -91,7 +91,7 @@ def _read(path: Path) -> LedgerFile:
             if parsed is None:
                 if value.get("ledger") != FORMAT or not all(
                     isinstance(value.get(key, 0), int) for key in ("attempt", *FACTS)
-                ) or "attempt" not in value:  # fmt: skip
+                ) or "attempt" not in value or not isinstance(value.get("group"), int | None):  # fmt: skip
                     raise ValueError(f"not a ledger header of format {FORMAT}")
                 parsed = LedgerFile(path, value)
                 continue

@@ -178,8 +178,9 @@ def _check_files(ledger: Ledger, files: list[LedgerFile]) -> None:
 
 def _merge_quorums(ledger: Ledger, taken: dict[int, dict[int | None, list[int]]]) -> None:
     """A step's samples over the ranks and groups that took it. Replica groups that did not see each
-    other (each in a quorum of its own) may each take the same step from the same state: with the
-    same samples that is the same update, counted once; with others, both count."""
+    other (each in a quorum of its own) may each take the same step alone, with its whole batch: the
+    samples count once (one group's state goes on: the states were the same, or the fingerprint
+    check heals the others from the first group's). Quorums with other samples all count."""
     apart = []
     for step, quorums in sorted(taken.items()):
         first, *others = quorums.values()

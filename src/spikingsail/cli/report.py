@@ -45,9 +45,9 @@ def _ledger(run: Path, against: Path | None) -> int:
     failed = bool(ours.problems)
     if against is not None:
         theirs = ledger_check.resolve(against)
-        lines = ledger_check.compare(ours, theirs)
+        lines, differ = ledger_check.compare(ours, theirs)
         print(_shown("\n".join([f"against {against}:", *lines])))
-        failed = failed or any("PROBLEM" in line for line in lines)
+        failed = failed or differ
     return 1 if failed else 0
 
 

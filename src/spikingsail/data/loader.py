@@ -209,9 +209,7 @@ class ShardedLoader:
     def epoch_samples(self) -> int:
         """The samples a whole epoch of the training loader trains on, over all ranks (fewer than the
         dataset's with ``drop_last`` and an epoch that is not a whole number of steps)."""
-        if isinstance(self.sampler, ReplicaBatchSampler):
-            return self.sampler.whole_steps * self.sampler.step_samples + sum(self.sampler.short)
-        if isinstance(self.sampler, StepBatchSampler | ResumableShardSampler):
+        if isinstance(self.sampler, ReplicaBatchSampler | StepBatchSampler | ResumableShardSampler):
             return self.sampler.total
         return len(self.dataset)  # type: ignore[arg-type]
 

@@ -239,6 +239,11 @@ class ReplicaBatchSampler(Sampler[list[int]]):
         self.share: tuple[int, int] | None = None
         """(this rank's samples, the optimizer step's over all ranks) of the batch last handed out."""
 
+    @property
+    def total(self) -> int:
+        """The samples of an epoch: its whole steps and the short step, unless dropped."""
+        return self.whole_steps * self.step_samples + sum(self.short)
+
     def epoch(self) -> int:
         return self.progress()[0] // self.steps_per_epoch
 

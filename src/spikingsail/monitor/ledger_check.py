@@ -3,7 +3,8 @@
 Reads the files of ``monitor/ledger.py`` and takes, for every step, the records that stand: an
 attempt (a restart, a requeue, a resume on another world size) supersedes what earlier attempts of
 the same replica group (or of the job, without groups) wrote from its own first step on — those
-steps were taken again. Then it checks each epoch: no sample twice, and in an epoch whose steps are
+steps were taken again — and so does it for other groups' attempts that had ended before it
+started (every group restarted from a checkpoint). Then it checks each epoch: no sample twice, and in an epoch whose steps are
 all there, every sample it has once; the steps in order, none missing. ``--against OTHER_RUN``
 compares two runs step by step: the same sample ids in every step both took.
 """
@@ -47,7 +48,7 @@ class Ledger:
     attempts: int
     groups: int
     redone: int
-    """Steps an attempt wrote that a later one took again (counted once per group)."""
+    """Steps an attempt wrote that a later one took again (counted once per attempt)."""
     samples: int | None
     epoch_samples: int | None
     steps_per_epoch: int | None
@@ -141,14 +142,15 @@ def resolve(run: Path) -> Ledger:
     taken: dict[int, dict[int | None, list[int]]] = collections.defaultdict(
         lambda: collections.defaultdict(list)
     )
-    ends = {(g, a): max((r[4] for f in files for r in f.steps), default=a / 1e9)
-            for g, attempts in by_group.items() for a, files in attempts.items()}  # fmt: skip
-    firsts = {(g, a): min((r[0] for f in files for r in f.steps), default=None)
-              for g, attempts in by_group.items() for a, files in attempts.items()}  # fmt: skip
-    for (group, attempt), ended in ends.items():
+    spans = {  # each attempt's first step and the time of its last record (its start, without one)
+        (g, a): (min((r[0] for f in own for r in f.steps), default=None),
+                 max((r[4] for f in own for r in f.steps), default=a / 1e9))
+        for g, attempts in by_group.items() for a, own in attempts.items()
+    }  # fmt: skip
+    for (group, attempt), (_, ended) in spans.items():
         # from its first step on, an attempt supersedes its group's earlier attempts, and the other
         # groups' attempts that had ended before it started (the job restarted from a checkpoint)
-        cut = min((first for (g, a), first in firsts.items() if first is not None and (
+        cut = min((first for (g, a), (first, _) in spans.items() if first is not None and (
             (g == group and a > attempt) or (g != group and a / 1e9 > ended))), default=float("inf"))  # fmt: skip
         redone: set[int] = set()
         for item in by_group[group][attempt]:
@@ -246,8 +248,9 @@ def report(ledger: Ledger) -> str:
     return "\n".join(lines)
 
 
-def compare(ours: Ledger, theirs: Ledger) -> list[str]:
-    """The steps whose samples differ between two runs (sorted ids), and those only one run took."""
+def compare(ours: Ledger, theirs: Ledger) -> tuple[list[str], bool]:
+    """The steps whose samples differ between two runs (sorted ids), and those only one run took;
+    and whether any step both took differs."""
     both = sorted(set(ours.steps) & set(theirs.steps))
     differ = [s for s in both if sorted(ours.steps[s]) != sorted(theirs.steps[s])]
     lines = [f"{len(both) - len(differ)} of {len(both)} step(s) both runs took used the same samples"]
@@ -261,4 +264,4 @@ def compare(ours: Ledger, theirs: Ledger) -> list[str]:
         alone = sorted(set(mine) - set(other))
         if alone:
             lines.append(f"  {len(alone)} step(s) only in {run.path}: {_listed(alone)}")
-    return lines
+    return lines, bool(differ)

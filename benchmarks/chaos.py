@@ -15,7 +15,8 @@ over the fault-free run's duration, each at a group chosen by the same seed:
 - ``kill-agent``: SIGKILL the group's torchrun agent (its worker ends itself, the group is started again);
 - ``full-disk``: fill the checkpoints' filesystem (a 32 MB tmpfs) for 8 s, across a save.
 
-Printed: faults injected (and those that found no live target: a group being started again),
+A fault aimed at a worker or agent waits for the group's worker to train (a group still starting,
+or being started again, has none yet). Printed: faults injected (and those the job ended before),
 whether the job survived them, goodput (committed steps per second ÷ the fault-free run's), the
 steps taken again, samples lost and repeated (``sail report --ledger``), processes left on the
 nodes, and how far the final weights are from the fault-free run's. The suite runs a short seeded
@@ -92,8 +93,12 @@ def parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def inject(fault: Fault, cluster: NamespaceCluster, out: Path, disk: Path | None) -> None:
-    """Deliver ``fault`` (and undo it after its time, for the ones that last)."""
+def inject(
+    fault: Fault, cluster: NamespaceCluster, out: Path, disk: Path | None, ended: threading.Event
+) -> None:
+    """Deliver ``fault`` (and undo it after its time, for the ones that last). One aimed at a worker
+    waits for the group's worker to train (a group being started again, or still starting, has none)
+    until the job ends."""
     if fault.kind == "cut-network":
         iptables = ["ip", "netns", "exec", cluster.netns["node2"], "iptables"]
         rules = [["INPUT", "-s", cluster.address["node1"], "-j", "DROP"],
@@ -116,9 +121,9 @@ def inject(fault: Fault, cluster: NamespaceCluster, out: Path, disk: Path | None
         time.sleep(8)
         filler.unlink(missing_ok=True)
         return
-    worker = live_worker(out, fault.group)
-    if worker is None:
-        return
+    while (worker := live_worker(out, fault.group)) is None:
+        if ended.wait(0.2):
+            return
     with contextlib.suppress(ProcessLookupError, OSError):
         if fault.kind == "kill-worker":
             os.kill(worker, signal.SIGKILL)
@@ -147,14 +152,20 @@ def run_job(cluster: NamespaceCluster, work: Path, name: str, epochs: int, fault
     job = subprocess.Popen(cluster.node_argv("node1", argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, cwd=work)  # fmt: skip
     output: list[str] = []
-    reader = threading.Thread(target=lambda: output.append(job.communicate()[0]), daemon=True)
+    ended = threading.Event()
+
+    def read() -> None:
+        output.append(job.communicate()[0])
+        ended.set()
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     for fault in faults:
         while time.monotonic() - started < fault.at and job.poll() is None:
             time.sleep(0.1)
         if job.poll() is not None:
             break
-        threading.Thread(target=inject, args=(fault, cluster, out, disk), daemon=True).start()
+        threading.Thread(target=inject, args=(fault, cluster, out, disk, ended), daemon=True).start()
     reader.join()
     seconds = time.monotonic() - started
     (out / "output.txt").write_text(output[0] if output else "")
@@ -193,7 +204,7 @@ def chaos(cluster: NamespaceCluster, work: Path, *, seed: int, faults: int, epoc
     delivered = [f for f in planned if f.delivered]
     return {
         "faults injected": len(delivered),
-        "faults without a live target": len(planned) - len(delivered),
+        "faults the job ended before": len(planned) - len(delivered),
         "by kind": {k: sum(f.kind == k for f in delivered) for k in kinds},
         "job survived every fault": faulty.returncode == 0,
         "sail launch exit status": faulty.returncode,

@@ -31,7 +31,7 @@ def test_a_seeded_stream_of_faults_is_survived_with_every_sample_once(
     assert found["job survived every fault"], (
         summary + "\n" + (tmp_path / "chaos" / "output.txt").read_text()[-5000:]
     )
-    assert found["faults injected"] >= 3, summary  # one may find its group being started again
+    assert found["faults injected"] >= 3, summary  # the job may end before the last
     assert found["ledger problems"] == [] and found["samples lost"] == found["samples repeated"] == 0, summary
     assert found["processes left on the nodes"] == 0, summary
     assert found["final weights max |chaos - fault-free|"] < 1e-4, summary

@@ -74,6 +74,7 @@ def main() -> None:
         "pid": os.getpid(),
     }
     (args.out / f"rank{engine.rank}.json").write_text(json.dumps(record))
+    print(f"rank {engine.rank} trained {engine.global_steps} steps", flush=True)
     engine.close()
     if engine.rank == args.exit_rank:
         others = [args.out / f"rank{r}.json" for r in range(engine.world_size) if r != engine.rank]

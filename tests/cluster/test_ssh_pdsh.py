@@ -168,15 +168,20 @@ def test_sigterm_to_the_launcher_stops_every_node(
     process = subprocess.Popen(
         cluster.node_argv("node1", argv),
         cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
     )
     deadline = time.monotonic() + 90
     while not all((tmp_path / "out" / f"started{r}").exists() for r in (0, 1)):
-        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        assert process.poll() is None, process.communicate()[0]
         assert time.monotonic() < deadline, "the job did not start on both nodes"
         time.sleep(0.3)
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    out = process.communicate(timeout=60)[0]
+    assert process.returncode == 128 + signal.SIGTERM, out
+    # each node's agent says in one line that it was stopped; its SignalException traceback is not shown
+    assert "Traceback" not in out, out
+    for node in ("node1", "node2"):
+        assert re.search(rf"(\[{node}\] |{node}: )torchrun: stopped by SIGTERM", out), out
     assert_no_job_left(cluster)

@@ -45,6 +45,8 @@ class LaunchCommand:
     """A regular expression for an output line saying that one of the command's nodes failed
     while the command runs on for the others (pdsh reports each host's exit as it happens);
     named groups ``host`` and ``code`` or ``signal``. The job is stopped at such a line."""
+    host_prefixed: bool = False
+    """Each output line starts with the host it came from, ``host: `` (pdsh)."""
     cleanup: list[str] | None = None
     """Run when the command had to be stopped: ends what it may have left running on its hosts."""
     relay: list[str] | None = None

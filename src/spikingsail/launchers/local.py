@@ -28,6 +28,7 @@ from spikingsail.launchers.command import LaunchCommand, python_module
 from spikingsail.launchers.failure import Failure
 from spikingsail.launchers.hostfile import is_this_machine
 from spikingsail.launchers.lifeline import die_with_this_process
+from spikingsail.launchers.node_output import stopped_by
 from spikingsail.launchers.platform import platform_flags
 from spikingsail.launchers.spec import LaunchRequest
 from spikingsail.launchers.supervision import TIMED_OUT, Signals, watch
@@ -209,9 +210,7 @@ class _ForkedAgent:
 
             if isinstance(err, SignalException) and not debugging():
                 # a stop asked for (SIGTERM, SIGUSR1: a preemption), not a crash: no traceback
-                name = signal.Signals(err.sigval).name
-                print(f"torchrun: stopped by {name}, which it passed on to the workers (with a checkpoint path "
-                      "they save and exit 75; the same command with --resume continues)", file=sys.stderr)  # fmt: skip
+                print(stopped_by(err.sigval), file=sys.stderr)
                 code = 128 + err.sigval
             elif isinstance(err, ChildFailedError) and not debugging():
                 # torchrun's table of the failed ranks; the agent's own traceback says nothing more

@@ -70,6 +70,7 @@ class PdshLauncher(Launcher):
                     env=pdsh_env,
                     uploads=[env_upload(n, env, env_file, request.ssh) for n in nodes] if env_file else [],
                     node_failure=NODE_FAILURE,
+                    host_prefixed=True,
                     cleanup=["pdsh", "-f", "1024", "-w", hosts, leftover_cleanup(rdzv, env_file)],
                     relay=["pdsh", "-f", "1024", "-w", hosts, signal_relay(rdzv)],
                 )

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from spikingsail.launchers.command import LaunchCommand, Upload
 from spikingsail.launchers.failure import Failure
 from spikingsail.launchers.lifeline import AGENT_GRACE_SECONDS, TETHER_READY, Watchdog, descendants
+from spikingsail.launchers.node_output import NodeOutput, torch_noise
 from spikingsail.launchers.supervision import TIMED_OUT, Signals, watch
 
 TAIL_LINES = 400
@@ -182,33 +183,24 @@ def _environment(command: LaunchCommand) -> dict[str, str]:
     return dict(command.env) if command.clean_env else {**os.environ, **command.env}
 
 
-_C10D_NO_NAME = re.compile(r"\[c10d\] The hostname of the client socket cannot be retrieved\. err=")
-_C10D_EXPLAINED = (
-    "sail: torch's c10d store found no name for a connecting node's address (a reverse DNS lookup "
-    "failed; the line says so at every connection, and sail shows it no more): harmless, the store "
-    "works by address; a PTR record or an /etc/hosts line for each node's address ends it"
-)
-_explained = threading.Event()
-
-
 def _relay(run: Running, output: Callable[[str], None]) -> None:
     assert run.process.stdout is not None
     prefix = f"[{run.command.host}] "
     node_failure = re.compile(run.command.node_failure) if run.command.node_failure else None
+    shown = NodeOutput(host_prefixed=run.command.host_prefixed)
     for raw in iter(run.process.stdout.readline, b""):
         line = raw.decode(errors="replace").rstrip("\r\n").replace("\r", "")
         if run.command.heartbeat and line == TETHER_READY:
             run.connected = True
             continue
-        if _C10D_NO_NAME.search(line):  # torch's noise on every connection of a node without a PTR record
-            if not _explained.is_set():
-                _explained.set()
-                output(prefix + _C10D_EXPLAINED)
-            continue
-        run.tail.append(line)
-        output(prefix + line)
+        if not torch_noise(line):
+            run.tail.append(line)
+        for kept in shown.feed(line):
+            output(prefix + kept)
         if node_failure is not None and run.failed_node is None and (found := node_failure.search(line)):
             run.failed_node = (found["host"], _exit_status(found.groupdict()))
+    for kept in shown.end():
+        output(prefix + kept)
 
 
 def _exit_status(reported: dict[str, str | None]) -> int:

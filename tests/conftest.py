@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from tests.cgroups import cpu_quota_group
 from tests.cluster.harness import NamespaceCluster
+from tests.ninja import NINJA_DIR
 
 # Set by others once per process: pytest's marker, torch's inductor cache path (exported the first
 # time an optimizer step consults it) and OpenMP switches scikit-learn exports when imported.
@@ -31,6 +32,8 @@ _SET_BY_OTHERS = {
 # DeepSpeed's JIT-compiled CPU ops, built once by scripts/setup.sh inside the environment (by its real
 # path: the build files record the paths they were built from, and another path means a rebuild).
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.realpath(sys.prefix), "torch_extensions"))
+# ...compiled by one ninja in every process the tests start (tests/ninja.py).
+os.environ["PATH"] = os.pathsep.join([NINJA_DIR, os.environ.get("PATH", "")])
 # DeepSpeed reads the accelerator at import: CPU, as on this kind of machine.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # One intra-op thread per process, here and in every process a test starts (torchrun sets the same

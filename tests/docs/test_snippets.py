@@ -16,6 +16,7 @@ from spikingsail.backends import load_config
 from spikingsail.config.parse import BATCH_KEYS
 from spikingsail.errors import ConfigError
 from tests.docs.snippets import LANGUAGES, ROOT, RUNNABLE, Block, all_blocks, blocks
+from tests.ninja import NINJA_DIR
 
 BLOCKS = all_blocks()
 TO_RUN = [b for b in BLOCKS if b.language in RUNNABLE and b.not_run is None and b.file is None]
@@ -112,7 +113,8 @@ def _workdir(workdirs: dict[Path, Path], page: Path, factory: pytest.TempPathFac
 
 def _environment() -> dict[str, str]:
     env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    # the environment's commands (sail, torchrun), after the one ninja the suite's processes use
+    env["PATH"] = os.pathsep.join([NINJA_DIR, str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     return env
 

@@ -1,0 +1,25 @@
+"""The one ninja that compiles DeepSpeed's CPU ops (torch's JIT extensions) in every process the tests
+start: the one this run's PATH finds first (scripts/setup.sh built the ops with it), else the
+environment's. Two ninja versions read each other's build log as stale and compile everything again
+(90-140 s on two cores, each time they alternate), and tests that put the environment's bin/ (which
+has a ninja of its own) first on PATH would alternate them. ``NINJA_DIR`` holds only that ``ninja``:
+it goes first on PATH (``tests/conftest.py``; tests that put other directories first keep it ahead
+of them), so nothing else the tests find changes."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import sys
+
+_ninja = shutil.which("ninja") or os.path.join(os.path.realpath(sys.prefix), "bin", "ninja")
+NINJA_DIR = os.path.join(
+    os.path.realpath(sys.prefix),
+    "torch_extensions",
+    "ninja-" + hashlib.sha256(_ninja.encode()).hexdigest()[:8],
+)
+os.makedirs(NINJA_DIR, exist_ok=True)
+with contextlib.suppress(FileExistsError):  # the suite's other pytest process made it first
+    os.symlink(_ninja, os.path.join(NINJA_DIR, "ninja"))

@@ -120,11 +120,7 @@ if [ "${1:-}" = "--backends" ] && [ ! -f "$venv/.backends-complete" ]; then
   "$venv/bin/python" -m pip install --quiet --no-deps "$wheel"
   # DeepSpeed compiles its CPU ops on first use; do it once here, into the environment, so that
   # no run pays for it (the tests point TORCH_EXTENSIONS_DIR at the same place).
-  TORCH_EXTENSIONS_DIR="$venv/torch_extensions" DS_ACCELERATOR=cpu "$venv/bin/python" -c '
-from deepspeed.accelerator import get_accelerator
-for op in ("ShareMemCommBuilder", "FusedAdamBuilder"):
-    get_accelerator().create_op_builder(op).load()
-' >/dev/null
+  bash "$root/scripts/deepspeed-ops.sh" "$venv"
   touch "$venv/.backends-complete"
 fi
 # On GPU nodes DeepSpeed compiles FusedAdam (what a config's Adam/AdamW becomes) with nvcc at the

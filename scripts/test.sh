@@ -39,6 +39,9 @@ outcome() {  # the worst status so far; 5 (no test selected) only where no run s
   selected=1
   if [ "$1" -gt "$status" ]; then status=$1; fi
 }
+# DeepSpeed's ops built by the ninja the tests use (an environment another ninja built them in gets
+# them compiled again here, once, not inside a test that would time out waiting for it)
+bash scripts/deepspeed-ops.sh "$(cd .venv && pwd -P)"
 scratch=$(mktemp -d)
 # What runs and is mounted now: a process, network namespace or mount the tests leave fails the run.
 SAIL_SUITE_MARK=$(.venv/bin/python -c "import secrets; print(secrets.token_hex(8))")

@@ -11,6 +11,7 @@ torch sees a GPU the workers are spawned as before, so that no CUDA state can cr
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import os
 from collections.abc import Callable
@@ -20,8 +21,9 @@ import torch
 
 from spikingsail.launchers.spawn import run_processes
 
-# What every worker imports anyway, and nothing more: spikingsail looks at sys.modules to tell
-# which spiking library a model uses and whether DeepSpeed was imported.
+# What the workers import anyway. No spiking library: spikingsail looks at sys.modules to tell which
+# one a model uses. DeepSpeed is imported by the DeepSpeed backend alone, which is the only part that
+# looks for it in sys.modules.
 PRELOAD = [
     "torch",
     "torch.distributed",
@@ -34,6 +36,8 @@ PRELOAD = [
     "torch.distributed.checkpoint",
     "tests.multiprocess",
 ]
+if importlib.util.find_spec("deepspeed") is not None:  # before tests.multiprocess: its environment
+    PRELOAD.insert(-1, "tests.deepspeed_cpu")
 multiprocessing.set_forkserver_preload(PRELOAD)
 
 START_METHOD = "spawn" if torch.cuda.is_available() else "forkserver"

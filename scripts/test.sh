@@ -10,11 +10,13 @@ lint() {  # ruff, mypy and the docs site (any warning fails: a broken link or an
   .venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy &&
     NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 }
-# The tests run in two lanes, each a pytest process of its own (the machine's two cores): the namespace
-# cluster's tests (they share its one cluster) and those marked lane2 beside all the others, the lint
-# beside them; then the `alone` tests (heartbeats, stall limits) with no other kind beside them, in
-# three lanes (those marked lane2, those marked lane3, the others: they mostly wait); then the `speed`
-# tests (the ranks' measured speeds) with nothing beside them at all.
+# The tests run in lanes, each a pytest process of its own, that share out the tests as they go
+# (tests/lanes.py: a lane claims each test file, or each test, before running it). First two lanes
+# on the machine's two cores, the lint beside them: the namespace cluster's tests (one cluster) run in
+# the second lane, before it joins the first in the others. Then the `alone` tests (heartbeats, stall
+# limits) with no other kind beside them, in three lanes that share them test by test (they mostly
+# wait; the cluster's again in one lane); then the `speed` tests (the ranks' measured speeds) with
+# nothing beside them at all.
 # SAIL_TEST_SERIAL=1 runs the lint, then everything in one pytest process. A -m EXPR of the caller's
 # narrows every run; they share one matrix sample (SAIL_MATRIX_SEED replays one).
 export SAIL_MATRIX_SEED=${SAIL_MATRIX_SEED:-$(.venv/bin/python -c "import random; print(random.SystemRandom().randrange(10**6))")}
@@ -69,9 +71,16 @@ lanes() {  # lanes NAME MARKS [NAME MARKS ...]: runs side by side, each later on
   done
   beside=""
 }
-lanes rest "not cluster and not lane2 and not alone" cluster "(cluster or lane2) and not alone" lint -
-lanes alone "alone and not lane2 and not lane3 and not speed" alone2 "alone and lane2 and not speed" \
-  alone3 "alone and lane3 and not speed"
+share() {  # share BY: the next phase's lanes share their tests by file or by test
+  export SAIL_TEST_SHARE_BY=$1 SAIL_TEST_SHARE
+  SAIL_TEST_SHARE=$(mktemp -d "$scratch/share-XXXX")
+}
+share file
+lanes rest "not cluster and not alone" cluster "not alone" lint -
+share test
+lanes alone "alone and not speed" alone2 "alone and not cluster and not speed" \
+  alone3 "alone and not cluster and not speed"
+unset SAIL_TEST_SHARE SAIL_TEST_SHARE_BY
 code=0; run speed "speed" || code=$?; outcome "$code"
 .venv/bin/python scripts/suite_check.py slowest "$(($(date +%s) - started))" "$scratch"/{rest,cluster,alone,alone2,alone3,speed}.xml
 if [ "$selected" = 0 ] && [ "$status" = 0 ]; then exit 5; fi  # the lint may have failed

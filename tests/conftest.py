@@ -19,6 +19,8 @@ from tests.cgroups import cpu_quota_group
 from tests.cluster.harness import NamespaceCluster
 from tests.ninja import NINJA_DIR
 
+pytest_plugins = ["tests.lanes"]  # how scripts/test.sh's lanes share out the tests
+
 # Set by others once per process: pytest's marker, torch's inductor cache path (exported the first
 # time an optimizer step consults it) and OpenMP switches scikit-learn exports when imported.
 _SET_BY_OTHERS = {

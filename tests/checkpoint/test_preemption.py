@@ -65,7 +65,6 @@ def test_preempted_job_saves_exits_75_and_resumes_exactly(tmp_path: Path, signum
     assert digest(out) == digest(tmp_path / "straight")
 
 
-@pytest.mark.lane2  # beside the cluster's tests: keeps scripts/test.sh's two lanes about even
 def test_sigusr1_to_sail_launch_reaches_every_worker(tmp_path: Path) -> None:
     """SLURM's `--signal=USR1@T` path: sail launch → torchrun's agent → both workers save and exit 75."""
 

@@ -29,7 +29,6 @@ from spikingsail.errors import CheckpointError
 
 JOB = Path(__file__).with_name("jobs") / "storage_job.py"
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
-pytestmark = pytest.mark.lane2
 
 
 @pytest.fixture

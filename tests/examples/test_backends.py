@@ -13,8 +13,7 @@ import pytest
 
 from tests.examples.test_examples import ROOT, sail_launch
 
-# beside the cluster's tests (lane2): keeps scripts/test.sh's two lanes about even
-pytestmark = [pytest.mark.multiprocess, pytest.mark.lane2]
+pytestmark = pytest.mark.multiprocess
 SCRIPT = str(ROOT / "examples" / "train_digits.py")
 
 

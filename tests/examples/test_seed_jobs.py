@@ -69,7 +69,6 @@ IMAGENET_FLAGS = [
 ]
 
 
-@pytest.mark.lane2  # beside the cluster's tests: keeps scripts/test.sh's two lanes about even
 def test_imagenet_trainer_as_seed_002_starts_it_with_torchrun_resumes_each_epoch(digits_folder: Path,
                                                                                tmp_path: Path) -> None:  # fmt: skip
     """``torchrun --standalone --nnodes=1 --nproc-per-node=N train.py DATA --epochs=30 --resume
@@ -92,7 +91,6 @@ def test_imagenet_trainer_as_seed_002_starts_it_with_torchrun_resumes_each_epoch
     model.load_state_dict(weights)  # a plain torchvision resnet18 takes it
 
 
-@pytest.mark.lane2  # beside the cluster's tests: keeps scripts/test.sh's two lanes about even
 def test_imagenet_trainer_trains_a_spiking_sew_resnet_under_sail_launch(
     digits_folder: Path, tmp_path: Path
 ) -> None:
@@ -121,7 +119,6 @@ def test_imagenet_trainer_refuses_what_it_cannot_do(digits_folder: Path, tmp_pat
 # -- seed 003: the DDP toy -----------------------------------------------------------------------------
 
 
-@pytest.mark.lane2  # beside the cluster's tests: keeps scripts/test.sh's two lanes about even
 def test_cifar_toy_as_seed_003_runs_it_and_on_the_engine(digits_folder: Path, tmp_path: Path) -> None:
     toy = ROOT / "examples" / "cifar_toy"
     seed = tmp_path / "seed"

@@ -24,9 +24,6 @@ from spikingsail.monitor import ledger_check
 from tests.cluster.harness import processes_with
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
-# The groups' runs in the second and third of scripts/test.sh's alone lanes, which keeps the three
-# lanes about even.
-lane2, lane3 = pytest.mark.lane2, pytest.mark.lane3
 
 WORKER = Path(__file__).with_name("replica_worker.py")
 SAIL = [sys.executable, "-m", "spikingsail.cli.main", "launch"]
@@ -139,9 +136,7 @@ def finish(job: subprocess.Popen[str]) -> str:
     return output
 
 
-@pytest.mark.parametrize(
-    "kill_in", [pytest.param("allreduce", marks=lane2), pytest.param("between", marks=lane3)]
-)
+@pytest.mark.parametrize("kill_in", ["allreduce", "between"])
 def test_a_killed_group_heals_from_the_other_and_the_run_equals_the_fault_free_one(
     tmp_path: Path, kill_in: str
 ) -> None:
@@ -158,7 +153,6 @@ def test_a_killed_group_heals_from_the_other_and_the_run_equals_the_fault_free_o
     assert all((out / f"steps-{g}").read_text().split()[0] == str(EPOCHS * STEPS_PER_EPOCH) for g in (0, 1))
 
 
-@lane2
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
 def test_groups_of_two_ranks_each_weight_their_shares_and_heal(tmp_path: Path, backend: str) -> None:
     # fsdp: each group shards the model over its two ranks, and rank r of the healing group takes
@@ -173,7 +167,6 @@ def test_groups_of_two_ranks_each_weight_their_shares_and_heal(tmp_path: Path, b
     assert_trained_as_one_process(out, tmp_path, ranks=4, per_epoch=SAMPLES // 16)
 
 
-@lane3
 def test_a_heal_that_fails_on_one_rank_of_a_group_restarts_the_group(tmp_path: Path) -> None:
     """torchft heals rank by rank; when rank 1's transfer fails and rank 0's does not, the group's
     ranks would hold different states (torchft does not heal them again): the group restarts and
@@ -192,7 +185,6 @@ def test_a_heal_that_fails_on_one_rank_of_a_group_restarts_the_group(tmp_path: P
     assert_trained_as_one_process(out, tmp_path, ranks=4, per_epoch=SAMPLES // 16)
 
 
-@lane2
 def test_groups_at_the_same_step_with_different_states_take_the_first_groups(tmp_path: Path) -> None:
     """torchft heals only a group behind the others. Two groups resumed at the same step, one of them
     one float32 step off in one weight: they must not train apart; the step is taken again after the
@@ -212,7 +204,6 @@ def test_groups_at_the_same_step_with_different_states_take_the_first_groups(tmp
     assert sorted(committed_samples(out)) == list(range(24, EPOCHS * STEPS_PER_EPOCH))
 
 
-@lane3
 def test_a_stopped_group_is_left_out_and_rejoins_when_it_continues(tmp_path: Path) -> None:
     out = tmp_path / "run"
     job = launch(out, wait=False)
@@ -229,7 +220,6 @@ def test_a_stopped_group_is_left_out_and_rejoins_when_it_continues(tmp_path: Pat
     assert_trained_as_one_process(out, tmp_path)
 
 
-@lane2
 def test_the_lighthouse_killed_mid_run_is_started_again_and_training_goes_on(tmp_path: Path) -> None:
     out = tmp_path / "run"
     job = launch(out, wait=False)
@@ -240,7 +230,6 @@ def test_the_lighthouse_killed_mid_run_is_started_again_and_training_goes_on(tmp
     assert_trained_as_one_process(out, tmp_path)
 
 
-@lane2
 def test_a_lighthouse_port_taken_after_it_was_chosen_is_replaced_before_the_groups_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -313,7 +302,6 @@ def test_a_lighthouse_that_never_answers_is_a_clear_error(tmp_path: Path) -> Non
     assert not processes_with(str(tmp_path)), "the lighthouse that did not answer was left running"
 
 
-@lane2
 def test_a_groups_killed_agent_is_started_again_and_its_orphaned_worker_ends(tmp_path: Path) -> None:
     """SIGKILL leaves a torchrun agent's workers running; group 1's worker ends itself, and sail
     launch starts the group again, which heals from group 0."""
@@ -337,7 +325,6 @@ def test_a_groups_killed_agent_is_started_again_and_its_orphaned_worker_ends(tmp
     assert_trained_as_one_process(out, tmp_path)
 
 
-@lane3
 def test_a_group_alone_continues_from_the_furthest_checkpoint_of_any_group(tmp_path: Path) -> None:
     """A group that starts when no other is alive (its peer finished or died) resumes the newest
     checkpoint any group wrote, not step 0, and trains on with the whole global batch."""
@@ -640,7 +627,6 @@ def test_a_refused_replica_engine_leaves_nothing_running(
     assert not list((tmp_path / "ckpt").rglob("*.lock"))  # the checkpoint directory's lock is released
 
 
-@lane3
 def test_a_group_saves_under_its_own_directory_and_a_load_finds_the_furthest(tmp_path: Path) -> None:
     from spikingsail.checkpoint.replica_dirs import checkpoints_to_load, own_group_checkpoints
     from spikingsail.checkpoint.store import CheckpointStore
@@ -660,7 +646,6 @@ def test_a_group_saves_under_its_own_directory_and_a_load_finds_the_furthest(tmp
     )  # a named tag: as asked
 
 
-@lane3
 def test_one_process_without_groups_resumes_their_checkpoints_at_the_same_sample(tmp_path: Path) -> None:
     """Replica groups train 2 epochs and save; one process without them resumes from the job's
     checkpoint root and trains the third: as if the whole run had been one process."""

@@ -21,7 +21,7 @@ from spikingsail.monitor.hangreport import stacks
 from spikingsail.monitor.hangwatch import Spec
 from tests.cluster.harness import processes_with
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.alone, pytest.mark.lane3]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
 JOB = Path(__file__).with_name("jobs") / "hang_job.py"
 SAIL = [sys.executable, "-m", "spikingsail.cli.main", "launch"]
 TIMEOUT = 4.0

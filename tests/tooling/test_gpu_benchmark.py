@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.lane2]
+pytestmark = pytest.mark.multiprocess
 
 
 @pytest.mark.timeout(600)

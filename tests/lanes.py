@@ -1,0 +1,83 @@
+"""scripts/test.sh's lanes share out their tests as they go, instead of each running a fixed list.
+
+Every lane of a phase is a pytest process that collects the same tests. With ``SAIL_TEST_SHARE`` set
+to a directory, a lane runs a test only after claiming its unit there (a file created with
+``O_EXCL``: exactly one lane gets it); a unit another lane claimed is passed over, not reported. The
+unit is a test file by default (its module fixtures are set up once), or a single test with
+``SAIL_TEST_SHARE_BY=test`` (for a phase of a few long tests). So a lane that finishes its share
+early takes on work the other would have had, whatever this machine's speed.
+
+The namespace cluster's tests are selected by one lane only (there is one cluster on the machine):
+that lane runs them first, then claims the other units from the end of the list while the other
+lanes claim from its start, so that the lanes meet rather than race for the same units.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+SHARE = "SAIL_TEST_SHARE"
+SHARE_BY = "SAIL_TEST_SHARE_BY"
+
+
+def _unit(item: pytest.Item) -> str:
+    by_test = os.environ.get(SHARE_BY) == "test"
+    return item.nodeid if by_test else f"{item.nodeid.split('::')[0]} cluster={'cluster' in item.keywords}"
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have selected
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if not os.environ.get(SHARE):
+        return
+    cluster = [item for item in items if "cluster" in item.keywords]
+    if not cluster:
+        return
+    others: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        if "cluster" not in item.keywords:
+            others.setdefault(_unit(item), []).append(item)
+    items[:] = cluster + [item for unit in reversed(others) for item in others[unit]]
+
+
+class _Claims:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.mine: set[str] = set()
+        self.theirs: set[str] = set()
+
+    def take(self, unit: str) -> bool:
+        """Whether this lane runs ``unit``: it had it already, or claims it now."""
+        if unit in self.mine:
+            return True
+        if unit in self.theirs:
+            return False
+        name = hashlib.sha256(unit.encode()).hexdigest()[:32]
+        try:
+            os.close(os.open(self.directory / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            self.theirs.add(unit)
+            return False
+        self.mine.add(unit)
+        return True
+
+
+_CLAIMS: dict[str, _Claims] = {}  # by directory
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    directory = os.environ.get(SHARE)
+    if not directory:
+        return None
+    if directory not in _CLAIMS:
+        _CLAIMS[directory] = _Claims(Path(directory))
+    if _CLAIMS[directory].take(_unit(item)):
+        return None  # pytest's own protocol runs it
+    # another lane's: not run here; what the previous test left set up for it is torn down as the
+    # test after it needs (pytest would have done so after running it)
+    item.session._setupstate.teardown_exact(nextitem)
+    return True

@@ -1,0 +1,131 @@
+"""tests/lanes.py, which shares a phase's tests out between scripts/test.sh's lanes: real pytest
+processes side by side on generated test files, each test run exactly once in all."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CONFTEST = """
+import pytest
+pytest_plugins = ["tests.lanes"]
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "on_cluster" in item.name:
+            item.add_marker(pytest.mark.cluster)
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cluster: needs the one cluster")
+"""
+
+# Each file's module fixture records its set-up and tear-down, with the tests run between them: a
+# lane that passes over another lane's file must still tear down what the file before it set up.
+MODULE = """
+import os, time, pytest
+LOG = os.environ["LANES_LOG"]
+
+def note(what):
+    with open(LOG, "a") as f:
+        f.write(f"{{os.getpid()}} {{what}}\\n")
+
+@pytest.fixture(scope="module")
+def resource():
+    note("setup {name}")
+    yield
+    note("teardown {name}")
+
+@pytest.mark.parametrize("n", range({count}))
+def test_{name}(resource, n):
+    note("run {name} %d" % n)
+    time.sleep({sleep})
+
+def test_{name}_on_cluster(resource):
+    note("run {name} cluster")
+"""
+
+
+def write_tests(directory: Path, files: int = 6) -> None:
+    (directory / "conftest.py").write_text(CONFTEST)
+    for i in range(files):
+        name = f"f{i}"
+        (directory / f"test_{name}.py").write_text(MODULE.format(name=name, count=3, sleep=0.05 * (i % 3)))
+
+
+def lane(
+    directory: Path, share: str | None, by: str, marks: str, log: Path, xml: Path
+) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LANES_LOG": str(log), "SAIL_TEST_SHARE_BY": by}
+    env.pop("SAIL_TEST_SHARE", None)
+    if share:
+        env["SAIL_TEST_SHARE"] = share
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", marks,
+               "--junitxml", str(xml), "--rootdir", str(directory), str(directory)]  # fmt: skip
+    return subprocess.Popen(command, cwd=directory, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+
+
+def ran(xml: Path) -> list[str]:
+    return [case.get("name", "") for case in ET.parse(xml).iter("testcase")]
+
+
+@pytest.mark.parametrize("by", ["file", "test"])
+def test_lanes_side_by_side_run_every_test_once_and_the_cluster_lane_alone_runs_the_cluster_tests(
+    tmp_path: Path, by: str
+) -> None:
+    tests, share, log = tmp_path / "suite", tmp_path / "share", tmp_path / "log"
+    tests.mkdir()
+    share.mkdir()
+    write_tests(tests)
+    lanes = [
+        lane(tests, str(share), by, "not cluster", log, tmp_path / "a.xml"),
+        lane(tests, str(share), by, "not cluster", log, tmp_path / "b.xml"),
+        lane(tests, str(share), by, "", log, tmp_path / "cluster.xml"),
+    ]
+    for process in lanes:
+        output, _ = process.communicate(timeout=120)
+        assert process.returncode in (0, 5), output  # 5: this lane got no test at all
+    every = [name for xml in ("a", "b", "cluster") for name in ran(tmp_path / f"{xml}.xml")]
+    want = [f"test_f{i}[{n}]" for i in range(6) for n in range(3)] + [
+        f"test_f{i}_on_cluster" for i in range(6)
+    ]
+    assert sorted(every) == sorted(want)
+    assert {name for name in every if "cluster" in name} <= set(ran(tmp_path / "cluster.xml"))
+    # per process, every module fixture is set up before its tests and torn down after them, once
+    lines = [line.split(" ", 1) for line in log.read_text().splitlines()]
+    for pid in {pid for pid, _ in lines}:
+        open_modules: set[str] = set()
+        for what in (w for p, w in lines if p == pid):
+            verb, name, *_ = what.split()
+            if verb == "setup":
+                assert name not in open_modules and not open_modules, what  # the one before was torn down
+                open_modules.add(name)
+            elif verb == "teardown":
+                open_modules.remove(name)
+            else:
+                assert name in open_modules, what
+        assert not open_modules
+    if by == "file":  # a file's tests (outside the cluster) all in one lane
+        for i in range(6):
+            assert sum(f"test_f{i}[0]" in ran(tmp_path / f"{x}.xml") for x in ("a", "b", "cluster")) == 1
+            lanes_of_file = {x for x in ("a", "b", "cluster") for n in ran(tmp_path / f"{x}.xml")
+                             if n.startswith(f"test_f{i}[")}  # fmt: skip
+            assert len(lanes_of_file) == 1
+
+
+def test_without_a_share_a_lane_runs_everything_it_selects(tmp_path: Path) -> None:
+    tests, log = tmp_path / "suite", tmp_path / "log"
+    tests.mkdir()
+    write_tests(tests, files=2)
+    process = lane(tests, None, "file", "", log, tmp_path / "all.xml")
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    assert len(ran(tmp_path / "all.xml")) == 8

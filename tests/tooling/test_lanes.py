@@ -93,12 +93,13 @@ def test_lanes_side_by_side_run_every_test_once_and_the_cluster_lane_alone_runs_
     for process in lanes:
         output, _ = process.communicate(timeout=120)
         assert process.returncode in (0, 5), output  # 5: this lane got no test at all
-    every = [name for xml in ("a", "b", "cluster") for name in ran(tmp_path / f"{xml}.xml")]
+    by_lane = {name: ran(tmp_path / f"{name}.xml") for name in ("a", "b", "cluster")}
+    every = [test for tests_run in by_lane.values() for test in tests_run]
     want = [f"test_f{i}[{n}]" for i in range(6) for n in range(3)] + [
         f"test_f{i}_on_cluster" for i in range(6)
     ]
     assert sorted(every) == sorted(want)
-    assert {name for name in every if "cluster" in name} <= set(ran(tmp_path / "cluster.xml"))
+    assert {name for name in every if "cluster" in name} <= set(by_lane["cluster"])
     # per process, every module fixture is set up before its tests and torn down after them, once
     lines = [line.split(" ", 1) for line in log.read_text().splitlines()]
     for pid in {pid for pid, _ in lines}:
@@ -115,9 +116,10 @@ def test_lanes_side_by_side_run_every_test_once_and_the_cluster_lane_alone_runs_
         assert not open_modules
     if by == "file":  # a file's tests (outside the cluster) all in one lane
         for i in range(6):
-            assert sum(f"test_f{i}[0]" in ran(tmp_path / f"{x}.xml") for x in ("a", "b", "cluster")) == 1
-            lanes_of_file = {x for x in ("a", "b", "cluster") for n in ran(tmp_path / f"{x}.xml")
-                             if n.startswith(f"test_f{i}[")}  # fmt: skip
+            assert sum(f"test_f{i}[0]" in tests_run for tests_run in by_lane.values()) == 1
+            lanes_of_file = {
+                x for x, tests_run in by_lane.items() for n in tests_run if n.startswith(f"test_f{i}[")
+            }
             assert len(lanes_of_file) == 1
 
 

@@ -39,13 +39,20 @@ def hang(tmp_path: Path, *job_args: str) -> tuple[subprocess.CompletedProcess[st
 
 
 def assert_nothing_left(log_dir: Path) -> None:
+    """No rank, launcher or watch of this test's job is left: each has the job's log directory on its
+    command line (the watch as its report directory). Other tests' jobs may run beside this one."""
     pids = [int((log_dir / f"pid{rank}").read_text()) for rank in (0, 1)]
     deadline = time.monotonic() + 10
-    while any(_exists(pid) for pid in pids) or processes_with(str(JOB)) or processes_with("hangwatch.py"):
+    while any(_exists(pid) for pid in pids) or _processes_of(log_dir):
         assert time.monotonic() < deadline, (
-            [(pid, _state(pid)) for pid in pids if _exists(pid)], processes_with(str(JOB)), processes_with("hangwatch.py")
-        )  # fmt: skip
+            [(pid, _state(pid)) for pid in pids if _exists(pid)],
+            _processes_of(log_dir),
+        )
         time.sleep(0.2)
+
+
+def _processes_of(log_dir: Path) -> dict[int, str]:
+    return processes_with(str(log_dir)) | processes_with(str(log_dir.resolve()))
 
 
 def _exists(pid: int) -> bool:

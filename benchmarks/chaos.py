@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import random
 import signal
@@ -35,7 +36,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +60,8 @@ class Fault:
     kind: str
     group: int
     delivered: bool = False
+    when: float | None = None
+    """The wall-clock time (``time.time()``) it was delivered, to set beside the ledger's records."""
 
 
 @dataclass
@@ -105,7 +108,7 @@ def inject(
                  ["OUTPUT", "-d", cluster.address["node1"], "-j", "DROP"]]  # fmt: skip
         for rule in rules:
             subprocess.run([*iptables, "-A", *rule], check=True)
-        fault.delivered = True
+        fault.delivered, fault.when = True, time.time()
         time.sleep(5)
         for rule in rules:
             subprocess.run([*iptables, "-D", *rule], check=True)
@@ -117,7 +120,7 @@ def inject(
         filler = disk / "filler"
         with contextlib.suppress(OSError), filler.open("wb") as f:
             f.write(b"\0" * max(0, free - 4096))
-        fault.delivered = True
+        fault.delivered, fault.when = True, time.time()
         time.sleep(8)
         filler.unlink(missing_ok=True)
         return
@@ -131,10 +134,11 @@ def inject(
             os.kill(parent(worker), signal.SIGKILL)
         else:  # stop-worker
             os.kill(worker, signal.SIGSTOP)
-            fault.delivered = True
+            fault.delivered, fault.when = True, time.time()
             time.sleep(6)
             os.kill(worker, signal.SIGCONT)
-        fault.delivered = True
+        if not fault.delivered:
+            fault.delivered, fault.when = True, time.time()
 
 
 def run_job(cluster: NamespaceCluster, work: Path, name: str, epochs: int, faults: list[Fault],
@@ -169,6 +173,7 @@ def run_job(cluster: NamespaceCluster, work: Path, name: str, epochs: int, fault
     reader.join()
     seconds = time.monotonic() - started
     (out / "output.txt").write_text(output[0] if output else "")
+    (out / "faults.json").write_text(json.dumps([asdict(f) for f in faults], indent=1))
     return Run(seconds, job.returncode, output[0] if output else "", out, faults)
 
 
@@ -229,13 +234,19 @@ def main() -> int:
         "--epochs", type=int, default=150, help="of 12 steps (150: about 30 minutes fault-free here)"
     )
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    p.add_argument("--keep", type=Path, metavar="DIR",
+                   help="run in this new directory and keep it: each run's output, sample ledger and final weights")  # fmt: skip
     args = p.parse_args()
     kinds = tuple(args.kinds.split(","))
     unknown = set(kinds) - set(KINDS)
     if unknown:
         p.error(f"unknown fault kinds: {sorted(unknown)}")
-    with tempfile.TemporaryDirectory(prefix="sail-chaos-") as tmp:
-        work = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        if args.keep is None:
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sail-chaos-")))
+        else:
+            work = args.keep.resolve()
+            work.mkdir(parents=True)  # a new directory: the runs' own, kept after the benchmark
         disk = work / "disk"
         disk.mkdir()
         # before the cluster starts: its nodes' mount namespaces are copies of this one

@@ -1,11 +1,12 @@
 """Chaos: a job of two replica groups on the two-node namespace cluster, under a seeded stream of faults.
 
-    python benchmarks/chaos.py                                  # 60 faults, seed 1, 450 epochs (~30 min each run)
+    python benchmarks/chaos.py                                  # 60 faults, seed 1, 540 epochs (~30 min each run)
     python benchmarks/chaos.py --faults 4 --epochs 6 --seed 3   # a short one
 
 The job is ``sail launch -H hostfile --ft-replicas 2`` over the cluster's two nodes (one group per
 node, ssh launch), training ``tests/fault/replica_worker.py`` (a regression MLP, 12 steps of 8
-samples per epoch, checkpoints every 6 steps, ``--resume``) with the engine's sample ledger on.
+samples per epoch, checkpoints every 6 steps of which each group keeps its last 2, ``--resume``) with
+the engine's sample ledger on.
 It runs twice in one invocation: fault-free, then with faults injected at seeded random moments
 over the fault-free run's duration, each at a group chosen by the same seed:
 
@@ -151,7 +152,7 @@ def run_job(cluster: NamespaceCluster, work: Path, name: str, epochs: int, fault
     hostfile.write_text("node1 slots=1\nnode2 slots=1\n")
     argv = [*SAIL, "-H", str(hostfile), "--ssh-config", str(cluster.ssh_config), "--ft-replicas", "2",
             "--ft-heartbeat-timeout", "3", "--max-restarts", "1000", str(WORKER), str(out), str(epochs),
-            "--step-sleep", str(step_sleep), "--checkpoints", str(checkpoints), "--resume"]  # fmt: skip
+            "--step-sleep", str(step_sleep), "--checkpoints", str(checkpoints), "--keep-last", "2", "--resume"]  # fmt: skip
     started = time.monotonic()
     job = subprocess.Popen(cluster.node_argv("node1", argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, cwd=work)  # fmt: skip
@@ -231,7 +232,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--faults", type=int, default=60)
     p.add_argument(
-        "--epochs", type=int, default=150, help="of 12 steps (150: about 30 minutes fault-free here)"
+        "--epochs", type=int, default=540, help="of 12 steps (540: about 30 minutes fault-free on 2 cores)"
     )
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     p.add_argument("--keep", type=Path, metavar="DIR",

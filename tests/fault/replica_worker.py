@@ -2,7 +2,7 @@
 
     python replica_worker.py OUT EPOCHS [--kill-group G --kill-step S --kill-in between|allreduce]
     python replica_worker.py OUT EPOCHS --reference R   (one process, the global batch of R ranks)
-    python replica_worker.py OUT EPOCHS --checkpoints DIR [--resume]   (saves every 6 steps)
+    python replica_worker.py OUT EPOCHS --checkpoints DIR [--resume] [--keep-last K]   (saves every 6 steps)
 
 Writes OUT/final-GROUP.pt (the parameters at the end) and OUT/ledger-GROUP-PID.jsonl (step, sample
 ids of each committed batch). With --kill-*, group G's process SIGKILLs itself the first time it
@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds added to every step")
     parser.add_argument("--checkpoints", help="save every 6 steps here; with --resume, continue from there")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--keep-last", type=int, default=0, help="checkpoint.keep_last (0: every checkpoint)")
     args = parser.parse_args()
     group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
     groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
@@ -98,7 +99,7 @@ def main() -> None:
             "quorum_timeout_seconds": 60,
             "min_replicas": args.min_replicas,
         },
-        "checkpoint": {"interval_steps": 6},
+        "checkpoint": {"interval_steps": 6, "keep_last": args.keep_last},
     }
     engine, _ = spikingsail.initialize(
         model=model, config=config, rank_info=RankInfo.single() if args.reference else None,

@@ -8,25 +8,34 @@ home, the job's environment (``/proc/PID/environ`` is the owner's) or a 0600 fil
 
 from __future__ import annotations
 
+import fcntl
 import pwd
 import subprocess
 import sys
 from pathlib import Path
 
 NAME = "sail-neighbour"
+LOCK = Path("/run/lock" if Path("/run/lock").is_dir() else "/tmp") / f"{NAME}.lock"
 PYTHON = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
 
 
 def neighbour() -> pwd.struct_passwd:
-    """The account, created where it does not exist yet."""
+    """The account, created where it does not exist yet: by one process at a time (the suite's
+    lanes are processes of their own; a second ``useradd`` of the name would fail)."""
     try:
         return pwd.getpwnam(NAME)
     except KeyError:
-        subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", NAME],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        return pwd.getpwnam(NAME)
+        pass
+    with open(LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return pwd.getpwnam(NAME)
+        except KeyError:
+            subprocess.run(
+                ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", NAME],
+                check=True, capture_output=True,
+            )  # fmt: skip
+            return pwd.getpwnam(NAME)
 
 
 def as_neighbour(argv: list[str], *, timeout: float = 60, cwd: str = "/") -> subprocess.CompletedProcess[str]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from spikingsail.launchers.replicas import free_port
 from tests.examples.test_examples import ROOT, sail_launch
 
 pytestmark = pytest.mark.multiprocess
@@ -55,7 +56,9 @@ def test_the_main_job_runs_under_deepspeeds_own_launcher_and_flags(tmp_path: Pat
     config = config_for(tmp_path, "deepspeed", zero_optimization={"stage": 1})
     deepspeed = str(Path(sys.executable).with_name("deepspeed"))
     result = run(
-        deepspeed, "--num_gpus", "2", SCRIPT, "--deepspeed", "--deepspeed_config", config, cwd=tmp_path
-    )
+        # a free port, not the launcher's default 29500: the suite runs other jobs beside this one
+        deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), SCRIPT, "--deepspeed",
+        "--deepspeed_config", config, cwd=tmp_path,
+    )  # fmt: skip
     assert accuracy(result) >= 0.95
     assert "spawned with command" in result.stdout + result.stderr  # DeepSpeed's launcher started the ranks

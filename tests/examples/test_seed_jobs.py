@@ -17,6 +17,7 @@ import torch
 
 from spikingsail.checkpoint.export import read_saved_model
 from spikingsail.data.digits import write_image_folder
+from spikingsail.launchers.replicas import free_port
 
 pytestmark = pytest.mark.multiprocess
 ROOT = Path(__file__).parents[2]
@@ -126,8 +127,9 @@ def test_cifar_toy_as_seed_003_runs_it_and_on_the_engine(digits_folder: Path, tm
     # the seed's own command line: python -m torch.distributed.launch --nproc_per_node 2 ddp_case1.py
     # (the seed seeds nothing: its accuracy after 5 epochs ranged 0.78-0.90 over 7 runs, after 8 epochs
     # 0.88-0.94 over 8)
-    run([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", str(toy / "ddp_case1.py"),
-         "--data", str(digits_folder), "--epochs", "8", "--lr", "0.05"], seed)  # fmt: skip
+    # (with a free --master_port, not the default 29500: the suite runs other jobs beside this one)
+    run([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(toy / "ddp_case1.py"), "--data", str(digits_folder), "--epochs", "8", "--lr", "0.05"], seed)  # fmt: skip
     assert sorted(p.name for p in seed.glob("*.ckpt")) == [f"{epoch}.ckpt" for epoch in range(8)]
     engine_version = load(toy / "train.py")
     model = engine_version.ToyModel()

@@ -60,9 +60,12 @@ class Fault:
     """Seconds after the job started."""
     kind: str
     group: int
-    delivered: bool = False
     when: float | None = None
     """The wall-clock time (``time.time()``) it was delivered, to set beside the ledger's records."""
+
+    @property
+    def delivered(self) -> bool:
+        return self.when is not None
 
 
 @dataclass
@@ -109,7 +112,7 @@ def inject(
                  ["OUTPUT", "-d", cluster.address["node1"], "-j", "DROP"]]  # fmt: skip
         for rule in rules:
             subprocess.run([*iptables, "-A", *rule], check=True)
-        fault.delivered, fault.when = True, time.time()
+        fault.when = time.time()
         time.sleep(5)
         for rule in rules:
             subprocess.run([*iptables, "-D", *rule], check=True)
@@ -121,7 +124,7 @@ def inject(
         filler = disk / "filler"
         with contextlib.suppress(OSError), filler.open("wb") as f:
             f.write(b"\0" * max(0, free - 4096))
-        fault.delivered, fault.when = True, time.time()
+        fault.when = time.time()
         time.sleep(8)
         filler.unlink(missing_ok=True)
         return
@@ -135,11 +138,11 @@ def inject(
             os.kill(parent(worker), signal.SIGKILL)
         else:  # stop-worker
             os.kill(worker, signal.SIGSTOP)
-            fault.delivered, fault.when = True, time.time()
+            fault.when = time.time()
             time.sleep(6)
             os.kill(worker, signal.SIGCONT)
         if not fault.delivered:
-            fault.delivered, fault.when = True, time.time()
+            fault.when = time.time()
 
 
 def run_job(cluster: NamespaceCluster, work: Path, name: str, epochs: int, faults: list[Fault],

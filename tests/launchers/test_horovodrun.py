@@ -17,6 +17,7 @@ from spikingsail.errors import LaunchError
 from spikingsail.launchers.failure import Failure
 from spikingsail.launchers.horovodrun import remote_hosts
 from spikingsail.launchers.remote_env import FORWARDED_NAMES, FORWARDED_PREFIXES
+from spikingsail.launchers.replicas import free_port
 from spikingsail.launchers.request import parse_request
 from tests.launchers.plans import plan
 
@@ -159,12 +160,6 @@ def test_only_other_machines_are_checked_over_ssh() -> None:
         "192.0.2.7",
         "no-such-host.invalid",
     ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.multiprocess

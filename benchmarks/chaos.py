@@ -2,11 +2,16 @@
 
     python benchmarks/chaos.py                                  # 60 faults, seed 1, 540 epochs (~30 min each run)
     python benchmarks/chaos.py --faults 4 --epochs 6 --seed 3   # a short one
+    python benchmarks/chaos.py --restart --faults 10 --epochs 25 --kinds kill-worker,stop-worker,cut-network
+                                                                # restart from a checkpoint instead
 
 The job is ``sail launch -H hostfile --ft-replicas 2`` over the cluster's two nodes (one group per
 node, ssh launch), training ``tests/fault/replica_worker.py`` (a regression MLP, 12 steps of 8
 samples per epoch, checkpoints every 6 steps of which each group keeps its last 2, ``--resume``) with
 the engine's sample ledger on.
+With ``--restart`` the job is one plain DDP process group over the two nodes instead (``sail launch
+-H hostfile --max-restarts 1000``, no replica groups): a fault's "group" is then a rank, and a failed
+worker makes torchrun restart every worker from the last checkpoint — the recovery most jobs have.
 It runs twice in one invocation: fault-free, then with faults injected at seeded random moments
 over the fault-free run's duration, each at a group chosen by the same seed:
 
@@ -19,8 +24,9 @@ over the fault-free run's duration, each at a group chosen by the same seed:
 A fault aimed at a worker or agent waits for the group's worker to train (a group still starting,
 or being started again, has none yet). Printed: faults injected (and those the job ended before),
 whether the job survived them, goodput (committed steps per second ÷ the fault-free run's), the
-steps taken again, samples lost and repeated (``sail report --ledger``), processes left on the
-nodes, and how far the final weights are from the fault-free run's. The suite runs a short seeded
+steps taken again, samples lost and repeated (``sail report --ledger``), the steps whose samples
+are not the fault-free run's (``--against``), processes left on the nodes, and how far the final
+weights are from the fault-free run's. The suite runs a short seeded
 version (``tests/cluster/test_chaos.py``) on its own cluster.
 """
 
@@ -86,10 +92,14 @@ def schedule(seed: int, count: int, seconds: float, kinds: tuple[str, ...]) -> l
     return [Fault(t, order[i % len(order)], rng.randrange(2)) for i, t in enumerate(times)]
 
 
-def live_worker(out: Path, group: int) -> int | None:
-    """The pid of the group's newest live worker (its own record's name carries it)."""
-    for path in sorted(out.glob(f"ledger-{group}-*.jsonl"), key=lambda p: p.stat().st_mtime, reverse=True):
+def live_worker(out: Path, group: int, by_rank: bool = False) -> int | None:
+    """The pid of the group's newest live worker (its own record's name carries it); ``by_rank``:
+    of rank ``group`` of a job without replica groups (its records say which rank wrote them)."""
+    pattern = "ledger-0-*.jsonl" if by_rank else f"ledger-{group}-*.jsonl"
+    for path in sorted(out.glob(pattern), key=lambda p: p.stat().st_mtime, reverse=True):
         pid = int(path.stem.rsplit("-", 1)[1])
+        if by_rank and f'"rank": {group},' not in path.read_text().partition("\n")[0]:
+            continue
         with contextlib.suppress(OSError):
             if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX":
                 return pid
@@ -101,8 +111,9 @@ def parent(pid: int) -> int:
 
 
 def inject(
-    fault: Fault, cluster: NamespaceCluster, out: Path, disk: Path | None, ended: threading.Event
-) -> None:
+    fault: Fault, cluster: NamespaceCluster, out: Path, disk: Path | None, ended: threading.Event,
+    by_rank: bool = False,
+) -> None:  # fmt: skip
     """Deliver ``fault`` (and undo it after its time, for the ones that last). One aimed at a worker
     waits for the group's worker to train (a group being started again, or still starting, has none)
     until the job ends."""
@@ -128,7 +139,7 @@ def inject(
         time.sleep(8)
         filler.unlink(missing_ok=True)
         return
-    while (worker := live_worker(out, fault.group)) is None:
+    while (worker := live_worker(out, fault.group, by_rank)) is None:
         if ended.wait(0.2):
             return
     with contextlib.suppress(ProcessLookupError, OSError):
@@ -146,15 +157,17 @@ def inject(
 
 
 def run_job(cluster: NamespaceCluster, work: Path, name: str, epochs: int, faults: list[Fault],
-            disk: Path | None, step_sleep: float) -> Run:  # fmt: skip
-    """One job of two replica groups over the cluster's nodes, ``faults`` injected as scheduled."""
+            disk: Path | None, step_sleep: float, restart: bool = False) -> Run:  # fmt: skip
+    """One job of two replica groups (``restart``: one process group) over the cluster's nodes,
+    ``faults`` injected as scheduled."""
     out = work / name
     out.mkdir(parents=True)
     checkpoints = (disk or work) / f"ckpt-{name}"
     hostfile = work / "hostfile"
     hostfile.write_text("node1 slots=1\nnode2 slots=1\n")
-    argv = [*SAIL, "-H", str(hostfile), "--ssh-config", str(cluster.ssh_config), "--ft-replicas", "2",
-            "--ft-heartbeat-timeout", "3", "--max-restarts", "1000", str(WORKER), str(out), str(epochs),
+    groups = [] if restart else ["--ft-replicas", "2", "--ft-heartbeat-timeout", "3"]
+    argv = [*SAIL, "-H", str(hostfile), "--ssh-config", str(cluster.ssh_config), *groups,
+            "--max-restarts", "1000", str(WORKER), str(out), str(epochs),
             "--step-sleep", str(step_sleep), "--checkpoints", str(checkpoints), "--keep-last", "2", "--resume"]  # fmt: skip
     started = time.monotonic()
     job = subprocess.Popen(cluster.node_argv("node1", argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -173,7 +186,7 @@ def run_job(cluster: NamespaceCluster, work: Path, name: str, epochs: int, fault
             time.sleep(0.1)
         if job.poll() is not None:
             break
-        threading.Thread(target=inject, args=(fault, cluster, out, disk, ended), daemon=True).start()
+        threading.Thread(target=inject, args=(fault, cluster, out, disk, ended, restart), daemon=True).start()
     reader.join()
     seconds = time.monotonic() - started
     (out / "output.txt").write_text(output[0] if output else "")
@@ -196,16 +209,19 @@ def weights_distance(a: Path, b: Path) -> tuple[float, bool]:
 
 
 def chaos(cluster: NamespaceCluster, work: Path, *, seed: int, faults: int, epochs: int,
-          kinds: tuple[str, ...], disk: Path | None = None, step_sleep: float = 0.25) -> dict[str, object]:  # fmt: skip
+          kinds: tuple[str, ...], disk: Path | None = None, step_sleep: float = 0.25,
+          restart: bool = False) -> dict[str, object]:  # fmt: skip
     """The fault-free run, then the faulty one; the numbers (see the module's text)."""
-    free = run_job(cluster, work, "fault-free", epochs, [], disk, step_sleep)
+    free = run_job(cluster, work, "fault-free", epochs, [], disk, step_sleep, restart)
     if free.returncode != 0:
         raise SystemExit(f"the fault-free run failed:\n{free.output[-4000:]}")
     left_on_nodes(cluster)
     planned = schedule(seed, faults, free.seconds, kinds)
-    faulty = run_job(cluster, work, "chaos", epochs, planned, disk, step_sleep)
+    faulty = run_job(cluster, work, "chaos", epochs, planned, disk, step_sleep, restart)
     left = left_on_nodes(cluster)
     ledger = ledger_check.resolve(faulty.out)
+    unfaulted = ledger_check.resolve(free.out).steps
+    other = [s for s, ids in ledger.steps.items() if sorted(ids) != sorted(unfaulted.get(s, []))]
     steps = epochs * STEPS_PER_EPOCH
     distance, identical = (
         weights_distance(faulty.out, free.out) if faulty.returncode == 0 else (float("nan"), False)
@@ -224,6 +240,7 @@ def chaos(cluster: NamespaceCluster, work: Path, *, seed: int, faults: int, epoc
         "samples lost": ledger.lost,
         "samples repeated": ledger.repeated,
         "ledger problems": ledger.problems,
+        "steps with other samples than the fault-free run's": len(other),
         "processes left on the nodes": len(left),
         "final weights max |chaos - fault-free|": distance,
         "final weights bit-identical": identical,
@@ -238,6 +255,8 @@ def main() -> int:
         "--epochs", type=int, default=540, help="of 12 steps (540: about 30 minutes fault-free on 2 cores)"
     )
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    p.add_argument("--restart", action="store_true",
+                   help="one DDP process group restarted from its last checkpoint, not replica groups")  # fmt: skip
     p.add_argument("--keep", type=Path, metavar="DIR",
                    help="run in this new directory and keep it: each run's output, sample ledger and final weights")  # fmt: skip
     args = p.parse_args()
@@ -259,7 +278,7 @@ def main() -> int:
         try:
             cluster.start()
             found = chaos(cluster, work, seed=args.seed, faults=args.faults, epochs=args.epochs, kinds=kinds,
-                          disk=disk)  # fmt: skip
+                          disk=disk, restart=args.restart)  # fmt: skip
         finally:
             cluster.stop()
             subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -33,5 +33,6 @@ def test_a_seeded_stream_of_faults_is_survived_with_every_sample_once(
     )
     assert found["faults injected"] >= 3, summary  # the job may end before the last
     assert found["ledger problems"] == [] and found["samples lost"] == found["samples repeated"] == 0, summary
+    assert found["steps with other samples than the fault-free run's"] == 0, summary
     assert found["processes left on the nodes"] == 0, summary
     assert found["final weights max |chaos - fault-free|"] < 1e-4, summary

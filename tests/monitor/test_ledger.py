@@ -111,38 +111,91 @@ def test_a_restart_that_took_earlier_samples_again_is_named(tmp_path: Path) -> N
     write(ledger, "2-r0.jsonl", header(2), step(2, [0, 1, 2, 3]))
     done = check(tmp_path / "run")
     assert done.returncode == 1, done.stdout
-    assert "2 attempt(s), steps 1 to 2, 2 step(s) taken again after a restart" in done.stdout
+    assert "2 attempt(s), steps 1 to 2, 2 step(s) taken again after a restart or a heal" in done.stdout
     assert "PROBLEM epoch 0: 4 sample(s) trained more than once: 0, 1, 2, 3 (steps 1, 2)" in done.stdout
     assert "PROBLEM epoch 0: 4 of its 8 samples never trained: 4, 5, 6, 7" in done.stdout
 
 
+def took(number: int, ids: list[int], quorum: int, when: float) -> dict[str, object]:
+    """A replica group's step: its share of the step's samples, taken in torchft quorum ``quorum``."""
+    return {**step(number, ids), "quorum": quorum, "time": when}
+
+
+def loaded(group: int, attempt: int, number: int, when: float) -> dict[str, object]:
+    """The line of a state loaded from ``group``'s ``attempt`` at step ``number`` (a resume or a heal)."""
+    return {"from": {"group": group, "attempt": attempt}, "step": number, "time": when}
+
+
+HALVES = {0: [[0, 1], [4, 5], [0, 1], [4, 5]], 1: [[2, 3], [6, 7], [2, 3], [6, 7]]}
+WHOLE = [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 def test_replica_groups_that_all_restarted_from_a_checkpoint_count_each_step_once(tmp_path: Path) -> None:
-    """Two groups took steps 1-4 (half the samples each) and ended; group 0 alone started again from
-    the checkpoint at step 2 and took steps 3 and 4 with the whole batch. Group 1's steps 3 and 4
-    were lost with it: superseded, though group 1 never started again. A group that heals while
-    another trains (group 1 at step 3, beside group 0) supersedes nothing of the other's."""
+    """Two groups took steps 1-4 (half the samples each, quorum 1) and ended; group 0 alone started
+    again from its checkpoint at step 2 and took steps 3 and 4 with the whole batch. Group 1's steps 3
+    and 4 were lost with it, though group 1 never started again; so were group 0's."""
     ledger = tmp_path / "run" / "ledger"
-    half = {0: [[0, 1], [4, 5], [0, 1], [4, 5]], 1: [[2, 3], [6, 7], [2, 3], [6, 7]]}
     for group in (0, 1):
-        records = [{**step(n, half[group][n - 1]), "time": 1.0 + n} for n in range(1, 5)]
-        write(
-            ledger,
-            f"{group + 1}000000000-g{group}-r0.jsonl",
-            header((group + 1) * 10**9, group=group),
-            *records,
-        )
-    write(ledger, "10000000000-g0-r0.jsonl", header(10 * 10**9, group=0),
-          {**step(3, [0, 1, 2, 3]), "time": 11.0}, {**step(4, [4, 5, 6, 7]), "time": 12.0})  # fmt: skip
+        records = [took(n, HALVES[group][n - 1], 1, 1.0 + n) for n in range(1, 5)]
+        write(ledger, f"{group + 1}000000000-g{group}-r0.jsonl", header((group + 1) * 10**9, group=group),
+              *records)  # fmt: skip
+    write(ledger, "10000000000-g0-r0.jsonl", header(10 * 10**9, group=0), loaded(0, 10**9, 2, 10.0),
+          took(3, WHOLE[0], 2, 11.0), took(4, WHOLE[1], 2, 12.0))  # fmt: skip
     resolved = ledger_check.resolve(tmp_path / "run")
     assert resolved.problems == [] and resolved.redone == 4, ledger_check.report(resolved)
-    assert {s: sorted(i) for s, i in resolved.steps.items()} == {1: [0, 1, 2, 3], 2: [4, 5, 6, 7],
-                                                                  3: [0, 1, 2, 3], 4: [4, 5, 6, 7]}  # fmt: skip
-    # group 1 heals at step 3 while group 0's first attempt trains on: nothing of group 0's is superseded
-    write(ledger, "10000000000-g0-r0.jsonl", header(10 * 10**9, group=0))  # took no step
-    write(ledger, "1500000000-g1-r0.jsonl", header(int(1.5 * 10**9), group=1),
-          {**step(3, [2, 3]), "time": 4.1}, {**step(4, [6, 7]), "time": 5.1})  # fmt: skip
+    assert {s: sorted(i) for s, i in resolved.steps.items()} == {1: WHOLE[0], 2: WHOLE[1], 3: WHOLE[0],
+                                                                  4: WHOLE[1]}  # fmt: skip
+    assert "crosses 1 load(s) of another attempt's or group's state" in ledger_check.report(resolved)
+    # the same without the line of the loaded state (a checkpoint saved without the ledger): the
+    # latest earlier attempt of the group that took step 2 is where it came from
+    write(ledger, "10000000000-g0-r0.jsonl", header(10 * 10**9, group=0), took(3, WHOLE[0], 2, 11.0),
+          took(4, WHOLE[1], 2, 12.0))  # fmt: skip
     resolved = ledger_check.resolve(tmp_path / "run")
-    assert resolved.problems == [] and resolved.redone == 2, ledger_check.report(resolved)
+    assert resolved.problems == [] and resolved.redone == 4, ledger_check.report(resolved)
+
+
+def test_a_stopped_group_that_healed_from_a_restarted_one_counts_the_restarted_groups_steps(
+    tmp_path: Path,
+) -> None:
+    """The case of the chaos benchmark: both groups took steps 1-4 together (quorum 1); group 0 was
+    stopped and group 1 killed after step 4. Group 1 started again from its checkpoint at step 2 and
+    took steps 3-6 alone (quorum 3). Group 0, continued, took step 5 alone (quorum 2), then healed
+    from group 1 at step 6, and both took steps 7 and 8 together (quorum 4). The final state holds
+    group 1's steps 3-6, not group 0's 3-5: every sample once. A group that trained alone and then
+    healed from the other, and one whose heal is not in its ledger, are told apart."""
+    ledger = tmp_path / "run" / "ledger"
+    first, second = 10**9, 5 * 10**9
+    write(ledger, f"{first}-g0-r0.jsonl", header(first, group=0),
+          *[took(n, HALVES[0][n - 1], 1, float(n)) for n in range(1, 5)], took(5, WHOLE[0], 2, 9.0),
+          loaded(1, second, 6, 10.0), took(7, HALVES[0][0], 4, 11.0), took(8, HALVES[0][1], 4, 12.0))  # fmt: skip
+    write(ledger, f"{first}-g1-r0.jsonl", header(first, group=1),
+          *[took(n, HALVES[1][n - 1], 1, float(n)) for n in range(1, 5)])  # fmt: skip
+    write(ledger, f"{second}-g1-r0.jsonl", header(second, group=1), loaded(1, first, 2, 5.0),
+          *[took(n, WHOLE[(n - 1) % 2], 3, 5.0 + n / 2) for n in range(3, 7)],
+          took(7, HALVES[1][0], 4, 11.0), took(8, HALVES[1][1], 4, 12.0))  # fmt: skip
+    resolved = ledger_check.resolve(tmp_path / "run")
+    shown = ledger_check.report(resolved)
+    assert resolved.problems == [], shown
+    assert "3 attempt(s), 2 replica groups, steps 1 to 8, 5 step(s) taken again" in shown
+    # group 1's, from its checkpoint at step 2
+    assert "crosses 1 load(s) of another attempt's or group's state" in shown
+    for epoch in range(4):
+        assert f"epoch {epoch}: 8 samples, each once" in shown
+    assert {s: sorted(i) for s, i in resolved.steps.items()} == {n: WHOLE[(n - 1) % 2] for n in range(1, 9)}
+    # without group 0's heal line, its history has no step 6: the heal is not accounted for
+    lines = (ledger / f"{first}-g0-r0.jsonl").read_text().splitlines()
+    (ledger / f"{first}-g0-r0.jsonl").write_text(
+        "\n".join(line for line in lines if '"from"' not in line) + "\n"
+    )
+    shown = ledger_check.report(ledger_check.resolve(tmp_path / "run"))
+    assert (f"PROBLEM attempt {first} of replica group 0 took step 8 with attempt {second} of replica group 1 "
+            "but has another history: other samples or no record at steps 6") in shown  # fmt: skip
+    # the heal names an attempt whose files are gone
+    (ledger / f"{second}-g1-r0.jsonl").unlink()
+    (ledger / f"{first}-g0-r0.jsonl").write_text("\n".join(lines) + "\n")
+    shown = ledger_check.report(ledger_check.resolve(tmp_path / "run"))
+    assert (f"PROBLEM the state at step 6 of attempt {first} of replica group 0 came from attempt {second} of "
+            "replica group 1, whose ledger files are not here") in shown  # fmt: skip
 
 
 def test_lost_samples_missing_steps_and_steps_out_of_order_are_named(tmp_path: Path) -> None:
@@ -196,11 +249,13 @@ KEYS = st.sampled_from(
         "samples",
         "epoch_samples",
         "steps_per_epoch",
+        "from",
     ]
 )
 VALUES = st.one_of(
-    st.integers(-3, 3), st.booleans(), st.none(), st.text(max_size=3), st.lists(st.integers(-1, 9))
-)
+    st.integers(-3, 3), st.booleans(), st.none(), st.text(max_size=3), st.lists(st.integers(-1, 9)),
+    st.dictionaries(st.sampled_from(["group", "attempt"]), st.one_of(st.none(), st.integers(-1, 2))),
+)  # fmt: skip
 LINES = st.one_of(st.binary(max_size=60), st.dictionaries(KEYS, VALUES).map(lambda d: json.dumps(d).encode()))
 
 

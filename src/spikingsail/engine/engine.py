@@ -384,7 +384,8 @@ class Engine(DeepSpeedNames):
         return {"counters": self.counters, **optimizer, "lr_scheduler": Entry("lr_scheduler", self.lr_scheduler),
                 "precision": Entry("precision", self.precision), "loaders": self.loaders,
                 "balance": Entry("balance", self.split.balancer),
-                "fault_tolerance": Entry("fault_tolerance", self.split.replicas)}  # fmt: skip
+                "fault_tolerance": Entry("fault_tolerance", self.split.replicas),
+                "ledger": Entry("ledger", self.ledger)}  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, optimizer settings, scheduler, loss scaler and data positions (not the model

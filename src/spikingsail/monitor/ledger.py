@@ -9,11 +9,12 @@ ends, so a killed process loses nothing it committed; a step taken again (the re
 no) is written once, when it commits.
 
 ``ATTEMPT`` is rank 0's clock when the engine started, shared by every rank of the process group:
-a restart, a requeue or a resume on another world size is a later attempt, and the steps it takes
-again supersede what an earlier attempt wrote from its first step on (``ledger_check``). Replica
-groups are attempts of their own: a group started again continues the job's steps beside the
-others' (a group that had ended before it started, as when every group restarted from a
-checkpoint, is superseded from its first step on too).
+a restart, a requeue or a resume on another world size is a later attempt. The ledger's own entry in
+the engine's state names the attempt (and replica group) whose state it is and its step; when a
+process loads a state — a checkpoint at a resume, or a live group's state when its replica group
+heals — it writes where that state came from (``{"from": {"group": 0, "attempt": ...}, "step":
+4612}``). ``ledger_check`` follows the final state back through these hand-overs: the steps on that
+path are what trained it, and every other step's work was set aside.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def attempt_id(all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None, ra
 
 class SampleLedger:
     """This process's ledger: a step feature (``optimizer_end``, ``discarded``) fed by the training
-    loader (``take``)."""
+    loader (``take``), and a ``Stateful`` part of the engine's state (where a state came from)."""
 
     def __init__(self, run_dir: Path, attempt: int, facts: dict[str, Any]) -> None:
         """``facts``: what the header says of the process (rank, world size, replica group, ...)."""
@@ -62,6 +63,10 @@ class SampleLedger:
         self._ids: list[int] = []
         self._epoch = 0
         self._loader_facts: dict[str, int] | None = None
+        self._step = 0
+        """The step of the state this process holds: its last committed step, or the loaded one's."""
+        self._origins: list[str] = []
+        """Lines that wait for the file (a state loaded before the first step)."""
 
     def loader_made(self, samples: int, epoch_samples: int, step_samples: int) -> None:
         """The training loader's facts, for the header: the dataset's samples, an epoch's (over all
@@ -77,6 +82,7 @@ class SampleLedger:
     def optimizer_end(self, notes: StepNotes) -> None:
         if self._file is None:
             self._open()
+        self._step = notes.step
         line = {"step": notes.step, "epoch": self._epoch, "ids": self._ids, "time": round(time.time(), 3)}
         if notes.skipped:
             line["skipped"] = True
@@ -90,6 +96,22 @@ class SampleLedger:
         """The step is taken again, with the same samples: forget what it took."""
         self._ids = []
 
+    def state_dict(self) -> dict[str, Any]:
+        """Whose state this is: this attempt's (and replica group's), at its step."""
+        return {"group": self.facts.get("group"), "attempt": self.attempt, "step": self._step}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """A state was loaded (a checkpoint, or a live replica group's): write whose it was. (A state
+        saved without the ledger names nobody; ``ledger_check`` then finds its attempt by its step.)"""
+        self._step = int(saved["step"])
+        source = {"group": saved["group"], "attempt": saved["attempt"]}
+        line = json.dumps({"from": source, "step": self._step, "time": round(time.time(), 3)},
+                          separators=(",", ":"))  # fmt: skip
+        if self._file is None:
+            self._origins.append(line)  # the header comes first, once the loader's facts are known
+        else:
+            self._file.write(line + "\n")
+
     def _open(self) -> None:
         if self._loader_facts is None:
             log.warning("sail.ledger: the training batches do not come from engine.dataloader(...); the "
@@ -100,6 +122,9 @@ class SampleLedger:
         header = {"ledger": FORMAT, "attempt": self.attempt, **self.facts, **(self._loader_facts or {}),
                   "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}  # fmt: skip
         self._file.write(json.dumps(header, separators=(",", ":")) + "\n")
+        for line in self._origins:
+            self._file.write(line + "\n")
+        self._origins = []
 
     def close(self) -> None:
         if self._file is not None:

@@ -1,12 +1,15 @@
 """``sail report --ledger RUN_DIR``: did every sample of each finished epoch train exactly once?
 
-Reads the files of ``monitor/ledger.py`` and takes, for every step, the records that stand: an
-attempt (a restart, a requeue, a resume on another world size) supersedes what earlier attempts of
-the same replica group (or of the job, without groups) wrote from its own first step on — those
-steps were taken again — and so does it for other groups' attempts that had ended before it
-started (every group restarted from a checkpoint). Then it checks each epoch: no sample twice, and in an epoch whose steps are
-all there, every sample it has once; the steps in order, none missing. ``--against OTHER_RUN``
-compares two runs step by step: the same sample ids in every step both took.
+Reads the files of ``monitor/ledger.py`` and follows the final state back to step 1: through the
+steps of the attempt (and replica group) that holds it, and wherever a state was loaded — a resume
+from a checkpoint, a group healed from a live one — on into the attempt whose state it was, from
+that step down. A step on that path counts with the samples of every process that took it with it:
+the ranks of its attempt, or (replica groups) every group in the same torchft quorum. Every other
+step's work was set aside (taken again after a restart, or dropped by a group that healed from
+another). Then it checks each epoch: no sample twice, and in an epoch whose steps are all there,
+every sample it has once; the steps in order, none missing. Replica groups that ended together
+must have the same history. ``--against OTHER_RUN`` compares two runs step by step: the same
+sample ids in every step both took.
 """
 
 from __future__ import annotations
@@ -26,20 +29,41 @@ FACTS = ("samples", "epoch_samples", "steps_per_epoch")
 SHOWN = 8
 """How many ids or steps a line names before it says how many more."""
 
+Chain = tuple[int | None, int]
+"""An attempt of a replica group (None without groups): (group, attempt)."""
+Record = tuple[int, int, list[int], int | None, float]
+"""A committed step: (step, epoch, ids, quorum, time)."""
+
+
+@dataclass(slots=True)
+class Segment:
+    """What a process trained from one state on: the state's step and where it came from (None:
+    the file's start, with no state loaded), then its steps."""
+
+    start: int
+    source: Chain | None
+    since: float
+    records: dict[int, Record] = field(default_factory=dict)
+
 
 @dataclass(slots=True)
 class LedgerFile:
     path: Path
     header: dict[str, Any]
-    steps: list[tuple[int, int, list[int], int | None, float]] = field(default_factory=list)
-    """(step, epoch, ids, quorum, time) of each line after the header, in the file's order."""
+    steps: list[Record] = field(default_factory=list)
+    """Each line's step after the header, in the file's order."""
+    segments: list[Segment] = field(default_factory=list)
     truncated: bool = False
     """The last line was cut short (the process was killed while writing it): left out."""
+
+    @property
+    def chain(self) -> Chain:
+        return self.header.get("group"), self.header["attempt"]
 
 
 @dataclass(slots=True)
 class Ledger:
-    """The records that stand, merged over ranks and groups."""
+    """The records on the final state's path, merged over ranks and groups."""
 
     path: Path
     steps: dict[int, list[int]]
@@ -48,7 +72,7 @@ class Ledger:
     attempts: int
     groups: int
     redone: int
-    """Steps an attempt wrote that a later one took again (counted once per attempt)."""
+    """Steps an attempt wrote whose work was set aside (counted once per attempt)."""
     samples: int | None
     epoch_samples: int | None
     steps_per_epoch: int | None
@@ -63,6 +87,11 @@ class Ledger:
 def _listed(values: list[int]) -> str:
     shown = ", ".join(str(v) for v in values[:SHOWN])
     return shown + (f" and {len(values) - SHOWN} more" if len(values) > SHOWN else "")
+
+
+def _named(chain: Chain) -> str:
+    group, attempt = chain
+    return f"attempt {attempt}" + ("" if group is None else f" of replica group {group}")
 
 
 def read_files(run: Path) -> list[LedgerFile]:
@@ -90,48 +119,69 @@ def _read(path: Path) -> LedgerFile:
             if not isinstance(value, dict):
                 raise ValueError("not a JSON object")
             if parsed is None:
-                if value.get("ledger") != FORMAT or not all(
-                    isinstance(value.get(key, 0), int) for key in ("attempt", *FACTS)
-                ) or "attempt" not in value or not isinstance(value.get("group"), int | None):  # fmt: skip
-                    raise ValueError(f"not a ledger header of format {FORMAT}")
-                parsed = LedgerFile(path, value)
-                continue
-            step, epoch, ids, quorum = value["step"], value["epoch"], value["ids"], value.get("quorum")
-            when = value.get("time", 0.0)
-            if not (isinstance(step, int) and isinstance(epoch, int) and isinstance(ids, list)
-                    and all(isinstance(i, int) for i in ids) and isinstance(quorum, int | None)
-                    and isinstance(when, int | float)):  # fmt: skip
-                raise ValueError(
-                    "step, epoch and quorum must be integers, ids a list of integers, time a number"
-                )
-        except (ValueError, KeyError) as err:
+                parsed = LedgerFile(path, _header(value))
+            elif "from" in value:
+                parsed.segments.append(_origin(value))
+            else:
+                record = _record(value)
+                if not parsed.segments:
+                    parsed.segments.append(
+                        Segment(record[0] - 1, None, float(parsed.header.get("started", 0)))
+                    )
+                parsed.segments[-1].records[record[0]] = record
+                parsed.steps.append(record)
+        except (ValueError, KeyError, TypeError) as err:
             if number == len(lines) and not ended:
                 if parsed is not None:
                     parsed.truncated = True
                 break  # the process died while writing its last line
             raise ReportError(
                 f"{path}:{number}: not a line of the sample ledger ({err})",
-                "every line is one JSON object the engine wrote: a header, then one per step",
+                "every line is one JSON object the engine wrote: a header, then one per step or loaded state",
                 "the file was changed by hand or by another program: restore it, or move it out of the "
                 "ledger directory (its steps then count as missing)",
             ) from None
-        parsed.steps.append((step, epoch, ids, quorum, float(when)))
     if parsed is None:
         raise ReportError(f"{path}: an empty ledger file", fix="move it out of the ledger directory")
     return parsed
 
 
+def _header(value: dict[str, Any]) -> dict[str, Any]:
+    if value.get("ledger") != FORMAT or not all(
+        isinstance(value.get(key, 0), int) for key in ("attempt", *FACTS)
+    ) or "attempt" not in value or not isinstance(value.get("group"), int | None):  # fmt: skip
+        raise ValueError(f"not a ledger header of format {FORMAT}")
+    return value
+
+
+def _origin(value: dict[str, Any]) -> Segment:
+    source, step, when = value["from"], value["step"], value.get("time", 0.0)
+    if not (isinstance(source, dict) and isinstance(source.get("group"), int | None)
+            and isinstance(source.get("attempt"), int) and isinstance(step, int) and step >= 0
+            and isinstance(when, int | float)):  # fmt: skip
+        raise ValueError("a loaded state's line names its group and attempt (integers) and its step")
+    return Segment(step, (source["group"], source["attempt"]), float(when))
+
+
+def _record(value: dict[str, Any]) -> Record:
+    step, epoch, ids, quorum = value["step"], value["epoch"], value["ids"], value.get("quorum")
+    when = value.get("time", 0.0)
+    if not (isinstance(step, int) and isinstance(epoch, int) and isinstance(ids, list)
+            and all(isinstance(i, int) for i in ids) and isinstance(quorum, int | None)
+            and isinstance(when, int | float)):  # fmt: skip
+        raise ValueError("step, epoch and quorum must be integers, ids a list of integers, time a number")
+    return step, epoch, ids, quorum, float(when)
+
+
 def resolve(run: Path) -> Ledger:
-    """The records that stand (see the module's text), with the problems and notes of the files."""
+    """The records on the final state's path (see the module's text), with the problems and notes."""
     files = read_files(run)
-    by_group: dict[Any, dict[int, list[LedgerFile]]] = collections.defaultdict(
-        lambda: collections.defaultdict(list)
-    )
+    chains: dict[Chain, list[LedgerFile]] = collections.defaultdict(list)
     for item in files:
-        by_group[item.header.get("group")][item.header["attempt"]].append(item)
+        chains[item.chain].append(item)
     facts: dict[str, set[int]] = {key: {f.header[key] for f in files if key in f.header} for key in FACTS}
     known = {key: max(values) if values else None for key, values in facts.items()}
-    ledger = Ledger(run, {}, {}, sum(len(a) for a in by_group.values()), len(by_group), 0, known["samples"],
+    ledger = Ledger(run, {}, {}, len(chains), len({group for group, _ in chains}), 0, known["samples"],
                     known["epoch_samples"], known["steps_per_epoch"])  # fmt: skip
     for key, values in facts.items():
         if len(values) > 1:
@@ -139,33 +189,100 @@ def resolve(run: Path) -> Ledger:
                 f"the attempts disagree on {key}: {sorted(values)} (another dataset or batch size?)"
             )
     _check_files(ledger, files)
-    taken: dict[int, dict[int | None, list[int]]] = collections.defaultdict(
-        lambda: collections.defaultdict(list)
-    )
-    spans = {  # each attempt's first step and the time of its last record (its start, without one)
-        (g, a): (min((r[0] for f in own for r in f.steps), default=None),
-                 max((r[4] for f in own for r in f.steps), default=a / 1e9))
-        for g, attempts in by_group.items() for a, own in attempts.items()
-    }  # fmt: skip
-    for (group, attempt), (_, ended) in spans.items():
-        # from its first step on, an attempt supersedes its group's earlier attempts, and the other
-        # groups' attempts that had ended before it started (the job restarted from a checkpoint)
-        cut = min((first for (g, a), (first, _) in spans.items() if first is not None and (
-            (g == group and a > attempt) or (g != group and a / 1e9 > ended))), default=float("inf"))  # fmt: skip
-        redone: set[int] = set()
-        for item in by_group[group][attempt]:
-            for step, epoch, ids, quorum, _ in item.steps:
-                if step >= cut:
-                    redone.add(step)
-                    continue
-                taken[step][quorum].extend(ids)
-                if ledger.epochs.setdefault(step, epoch) != epoch:
-                    ledger.problems.append(f"step {step} is in epoch {ledger.epochs[step]} in one record and "
-                                           f"{epoch} in another")  # fmt: skip
-        ledger.redone += len(redone)
-    _merge_quorums(ledger, taken)
+    # the samples of a step: every process in its quorum, or (without one) every rank of its attempt
+    taken: dict[tuple[int, Any], list[int]] = collections.defaultdict(list)
+    for item in files:
+        for step, _, ids, quorum, _ in item.steps:
+            taken[step, ("quorum", quorum) if quorum is not None else item.chain].extend(ids)
+    # a chain's path is read in the file of its lowest rank (every rank loads the same states)
+    lead = {chain: min(own, key=lambda f: f.header.get("rank", 0)) for chain, own in chains.items()}
+    ending = sorted((item.steps[-1][4], chain[1], chain) for chain, item in lead.items() if item.steps)
+    path: dict[int, tuple[Chain, Record]] = {}
+    if ending:  # the newest state, and the groups that took its last step with it
+        *_, final = ending[-1]
+        path, handovers = _path(lead, final, ledger)
+        if handovers:
+            ledger.notes.append(f"the final state's history crosses {handovers} load(s) of another attempt's "
+                                "or group's state (a resume or a heal)")  # fmt: skip
+        last, _, _, quorum, _ = lead[final].steps[-1]
+        for *_, chain in ending[:-1]:
+            if quorum is None or lead[chain].steps[-1][0::3] != (last, quorum):
+                continue  # it did not take the last step with the final state's group
+            other, _ = _path(lead, chain, ledger)
+            differ = sorted(path.keys() ^ other.keys()) + [
+                s for s in sorted(path.keys() & other.keys())
+                if sorted(taken[s, _key(path[s])]) != sorted(taken[s, _key(other[s])])
+            ]  # fmt: skip
+            if differ:
+                ledger.problems.append(f"{_named(chain)} took step {last} with {_named(final)} but has another "
+                                       f"history: other samples or no record at steps {_listed(sorted(differ))}")  # fmt: skip
+    for step, entry in sorted(path.items()):
+        ledger.steps[step] = list(taken[step, _key(entry)])
+        ledger.epochs[step] = entry[1][1]
+    used = {(step, _key(entry)) for step, entry in path.items()}
+    for chain, item in lead.items():
+        ledger.redone += sum(1 for step, _, _, quorum, _ in item.steps
+                             if (step, ("quorum", quorum) if quorum is not None else chain) not in used)  # fmt: skip
     _check_steps(ledger)
     return ledger
+
+
+def _key(entry: tuple[Chain, Record]) -> Any:
+    chain, (_, _, _, quorum, _) = entry
+    return ("quorum", quorum) if quorum is not None else chain
+
+
+def _path(
+    lead: dict[Chain, LedgerFile], final: Chain, ledger: Ledger
+) -> tuple[dict[int, tuple[Chain, Record]], int]:
+    """The record of every step from the final state of ``final`` back to step 1 (or to where the
+    ledger starts): down a segment's steps, then into the state it started from; and how many such
+    hand-overs it passed."""
+    path: dict[int, tuple[Chain, Record]] = {}
+    chain, index = final, len(lead[final].segments) - 1
+    step = max(lead[chain].segments[index].records, default=lead[chain].segments[index].start)
+    handovers, seen = 0, set()
+    while step > 0:
+        segment = lead[chain].segments[index]
+        if step > segment.start:
+            if step in segment.records:  # else: a step with no record, named by _check_steps
+                path[step] = (chain, segment.records[step])
+            step -= 1
+            continue
+        source = segment.source or _earlier(lead, chain, step)
+        if source is None:
+            break  # the ledger starts here: a resume of a run without it
+        found = _segment_at(lead.get(source), step, segment.since)
+        if found is None or (source, found, step) in seen:
+            ledger.problems.append(
+                f"the state at step {step} of {_named(chain)} came from {_named(source)}, "
+                + ("whose ledger has no such state" if source in lead else "whose ledger files are not here")
+            )
+            break
+        seen.add((source, found, step))
+        chain, index, handovers = source, found, handovers + 1
+    return path, handovers
+
+
+def _segment_at(item: LedgerFile | None, step: int, before: float) -> int | None:
+    """The segment of ``item`` that held its state at ``step`` when another process loaded it at
+    time ``before``: one that started at that step or took it. Of two (the state at that step was
+    replaced by another group's, as when groups at the same step held different states), the later
+    one that had begun by then."""
+    if item is None:
+        return None
+    held = [i for i, s in enumerate(item.segments) if s.start == step or step in s.records]
+    begun = [i for i in held if item.segments[i].since <= before]
+    return (begun or held)[-1] if held else None
+
+
+def _earlier(lead: dict[Chain, LedgerFile], chain: Chain, step: int) -> Chain | None:
+    """For a state loaded with no record of whose it was (a checkpoint saved without the ledger, or
+    a file from before it recorded it): the latest earlier attempt that took ``step``, of the same
+    group if one did."""
+    group, attempt = chain
+    took = [c for c, item in lead.items() if c[1] < attempt and any(step in s.records for s in item.segments)]
+    return max(took, key=lambda c: (c[0] == group, c[1]), default=None)
 
 
 def _check_files(ledger: Ledger, files: list[LedgerFile]) -> None:
@@ -176,24 +293,6 @@ def _check_files(ledger: Ledger, files: list[LedgerFile]) -> None:
         order = [record[0] for record in item.steps]
         if any(b <= a for a, b in itertools.pairwise(order)):
             ledger.problems.append(f"{item.path.name}: the steps are not in order ({_listed(order)})")
-
-
-def _merge_quorums(ledger: Ledger, taken: dict[int, dict[int | None, list[int]]]) -> None:
-    """A step's samples over the ranks and groups that took it. Replica groups that did not see each
-    other (each in a quorum of its own) may each take the same step alone, with its whole batch: the
-    samples count once (one group's state goes on: the states were the same, or the fingerprint
-    check heals the others from the first group's). Quorums with other samples all count."""
-    apart = []
-    for step, quorums in sorted(taken.items()):
-        first, *others = quorums.values()
-        if others and all(sorted(other) == sorted(first) for other in others):
-            apart.append(step)
-            ledger.steps[step] = first
-        else:
-            ledger.steps[step] = [i for ids in quorums.values() for i in ids]
-    if apart:
-        ledger.notes.append(f"{len(apart)} step(s) were each taken by replica groups apart, in quorums of their "
-                            f"own, with the same samples (counted once): {_listed(apart)}")  # fmt: skip
 
 
 def _check_steps(ledger: Ledger) -> None:
@@ -240,7 +339,7 @@ def report(ledger: Ledger) -> str:
     span = f"steps {steps[0]} to {steps[-1]}" if steps else "no step"
     groups = f", {ledger.groups} replica groups" if ledger.groups > 1 else ""
     lines = [f"{ledger.path}: {ledger.attempts} attempt(s){groups}, {span}, "
-             f"{ledger.redone} step(s) taken again after a restart"]  # fmt: skip
+             f"{ledger.redone} step(s) taken again after a restart or a heal"]  # fmt: skip
     lines += [f"  {note}" for note in ledger.notes]
     lines += [f"  PROBLEM {problem}" for problem in ledger.problems]
     lines.append("  every committed step's samples are accounted for: none twice in an epoch, none lost"

@@ -10,7 +10,8 @@ reaches step S with every group taking part (a marker file keeps the restarted o
 two steps, or as it enters its gradient all-reduce across the groups (its peers, in the same
 quorum, wait in theirs; had it sent its share first, the peers could finish the step without it). With
 --fail-heal-rank R, rank R's first heal fails; with --perturb-group G, group G's parameters differ by
-one float32 step when it joins the others.
+one float32 step when it joins the others. With --stop-group G --stop-step S, group G's process
+SIGSTOPs itself there instead (OUT/stopped-G holds its pid; whoever started it continues it).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def main() -> None:
     parser.add_argument("--kill-group", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--kill-in", choices=["between", "allreduce"], default="between")
+    parser.add_argument("--stop-group", type=int, default=-1)
+    parser.add_argument("--stop-step", type=int, default=-1)
     parser.add_argument(
         "--kill-rank",
         type=int,
@@ -128,6 +131,10 @@ def main() -> None:
                 if args.kill_in == "between":
                     os.kill(os.getpid(), signal.SIGKILL)
                 kill_in_first_all_reduce(engine)
+            stopped = args.out / f"stopped-{group}"
+            if group == args.stop_group and step >= args.stop_step and not stopped.exists():
+                stopped.write_text(f"{os.getpid()}")
+                os.kill(os.getpid(), signal.SIGSTOP)
             loss = F.mse_loss(engine(x), y)
             engine.backward(loss)
             engine.step()

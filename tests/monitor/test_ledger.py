@@ -121,7 +121,7 @@ def took(number: int, ids: list[int], quorum: int, when: float) -> dict[str, obj
     return {**step(number, ids), "quorum": quorum, "time": when}
 
 
-def loaded(group: int, attempt: int, number: int, when: float) -> dict[str, object]:
+def loaded(group: int | None, attempt: int, number: int, when: float) -> dict[str, object]:
     """The line of a state loaded from ``group``'s ``attempt`` at step ``number`` (a resume or a heal)."""
     return {"from": {"group": group, "attempt": attempt}, "step": number, "time": when}
 
@@ -131,16 +131,18 @@ WHOLE = [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_replica_groups_that_all_restarted_from_a_checkpoint_count_each_step_once(tmp_path: Path) -> None:
-    """Two groups took steps 1-4 (half the samples each, quorum 1) and ended; group 0 alone started
-    again from its checkpoint at step 2 and took steps 3 and 4 with the whole batch. Group 1's steps 3
-    and 4 were lost with it, though group 1 never started again; so were group 0's."""
+    """Two groups took steps 1-4 (half the samples each, quorum 1) and ended; group 0 alone was
+    launched again from its checkpoint at step 2 and took steps 3 and 4 with the whole batch (in a
+    quorum 1 of the new job). Group 1's steps 3 and 4 were lost with it, though group 1 never started
+    again; so were group 0's."""
     ledger = tmp_path / "run" / "ledger"
     for group in (0, 1):
         records = [took(n, HALVES[group][n - 1], 1, 1.0 + n) for n in range(1, 5)]
-        write(ledger, f"{group + 1}000000000-g{group}-r0.jsonl", header((group + 1) * 10**9, group=group),
-              *records)  # fmt: skip
-    write(ledger, "10000000000-g0-r0.jsonl", header(10 * 10**9, group=0), loaded(0, 10**9, 2, 10.0),
-          took(3, WHOLE[0], 2, 11.0), took(4, WHOLE[1], 2, 12.0))  # fmt: skip
+        write(ledger, f"{group + 1}000000000-g{group}-r0.jsonl",
+              header((group + 1) * 10**9, group=group, job="first"), *records)  # fmt: skip
+    # launched again: torchft's quorum ids count from 1 again, in another job
+    write(ledger, "10000000000-g0-r0.jsonl", header(10 * 10**9, group=0, job="second"),
+          loaded(0, 10**9, 2, 10.0), took(3, WHOLE[0], 1, 11.0), took(4, WHOLE[1], 1, 12.0))  # fmt: skip
     resolved = ledger_check.resolve(tmp_path / "run")
     assert resolved.problems == [] and resolved.redone == 4, ledger_check.report(resolved)
     assert {s: sorted(i) for s, i in resolved.steps.items()} == {1: WHOLE[0], 2: WHOLE[1], 3: WHOLE[0],
@@ -148,8 +150,8 @@ def test_replica_groups_that_all_restarted_from_a_checkpoint_count_each_step_onc
     assert "crosses 1 load(s) of another attempt's or group's state" in ledger_check.report(resolved)
     # the same without the line of the loaded state (a checkpoint saved without the ledger): the
     # latest earlier attempt of the group that took step 2 is where it came from
-    write(ledger, "10000000000-g0-r0.jsonl", header(10 * 10**9, group=0), took(3, WHOLE[0], 2, 11.0),
-          took(4, WHOLE[1], 2, 12.0))  # fmt: skip
+    write(ledger, "10000000000-g0-r0.jsonl", header(10 * 10**9, group=0, job="second"),
+          took(3, WHOLE[0], 1, 11.0), took(4, WHOLE[1], 1, 12.0))  # fmt: skip
     resolved = ledger_check.resolve(tmp_path / "run")
     assert resolved.problems == [] and resolved.redone == 4, ledger_check.report(resolved)
 
@@ -196,6 +198,17 @@ def test_a_stopped_group_that_healed_from_a_restarted_one_counts_the_restarted_g
     shown = ledger_check.report(ledger_check.resolve(tmp_path / "run"))
     assert (f"PROBLEM the state at step 6 of attempt {first} of replica group 0 came from attempt {second} of "
             "replica group 1, whose ledger files are not here") in shown  # fmt: skip
+
+
+def test_a_script_that_loads_its_own_earlier_checkpoint_counts_the_steps_after_it(tmp_path: Path) -> None:
+    """One process took steps 1-3, went back to its checkpoint at step 1 (engine.load_checkpoint in
+    the script) and took steps 2-4 again: the first steps 2 and 3 were set aside."""
+    write(tmp_path / "run" / "ledger", "1-r0.jsonl", header(1), step(1, [0, 1, 2, 3]), step(2, [4, 5, 6, 7]),
+          step(3, [0, 1, 2, 3]), loaded(None, 1, 1, 0.0), step(2, [4, 5, 6, 7]), step(3, [3, 2, 1, 0]),
+          step(4, [7, 6, 5, 4]))  # fmt: skip
+    resolved = ledger_check.resolve(tmp_path / "run")
+    assert resolved.problems == [] and resolved.redone == 2, ledger_check.report(resolved)
+    assert {s: sorted(i) for s, i in resolved.steps.items()} == {n: WHOLE[(n - 1) % 2] for n in range(1, 5)}
 
 
 def test_lost_samples_missing_steps_and_steps_out_of_order_are_named(tmp_path: Path) -> None:
@@ -260,13 +273,18 @@ LINES = st.one_of(st.binary(max_size=60), st.dictionaries(KEYS, VALUES).map(lamb
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(LINES, max_size=6), st.booleans())
-def test_any_ledger_file_gives_a_report_or_a_clear_error(tmp_path_factory: pytest.TempPathFactory,
-                                                         lines: list[bytes], with_header: bool) -> None:  # fmt: skip
+@given(st.lists(LINES, max_size=6), st.lists(LINES, max_size=4), st.booleans())
+def test_any_ledger_files_give_a_report_or_a_clear_error(tmp_path_factory: pytest.TempPathFactory,
+                                                         lines: list[bytes], others: list[bytes],
+                                                         with_header: bool) -> None:  # fmt: skip
+    """Two processes' files (one of a replica group, which the other may name as a state's source):
+    whatever their lines, a report or an error that names the file and line."""
     run = tmp_path_factory.mktemp("fuzz")
     (run / "ledger").mkdir()
     head = [header(1).encode()] if with_header else []
     (run / "ledger" / "1-r0.jsonl").write_bytes(b"\n".join(head + lines))
+    other = [header(2, group=0).encode(), json.dumps(step(1, [0, 1])).encode()]
+    (run / "ledger" / "2-g0-r0.jsonl").write_bytes(b"\n".join(other + others))
     try:
         ledger_check.report(ledger_check.resolve(run))
     except ReportError as err:

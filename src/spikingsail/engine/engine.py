@@ -141,7 +141,8 @@ class Engine(DeepSpeedNames):
         stragglers = features.straggler_watch(config, rank_info, self.module, self.device, backend, closing)
         replica_env = ReplicaEnv.from_env()
         group = replica_env.group if replica_env is not None else None
-        self.ledger = features.ledger(config, rank_info, backend, self.log_dir, group, closing)
+        self.ledger = features.ledger(config, rank_info, backend, self.log_dir, replica_env, self.counters,
+                                      closing)  # fmt: skip
         for feature, on in ((self.heartbeat, not isinstance(self.heartbeat, NoHeartbeat)),
                             (self.monitor, self.monitor.enabled), (self.snn, self.snn.active),
                             (self.split, True), (stragglers, stragglers is not None),

@@ -6,13 +6,14 @@ its close stack."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,9 @@ from spikingsail.monitor.heartbeat import Heartbeat, NoHeartbeat
 from spikingsail.monitor.ledger import SampleLedger, attempt_id
 from spikingsail.monitor.steps import AccumulatedLossMonitor, StepMonitor
 from spikingsail.monitor.trackers import check_installed, flatten, make_trackers
+
+if TYPE_CHECKING:
+    from spikingsail.engine.replicas import ReplicaEnv
 
 log = logging.getLogger(__name__)
 
@@ -108,19 +112,23 @@ def monitor(config: SailConfig, rank_info: RankInfo, log_dir: Path, closing: Exi
 
 
 def ledger(
-    config: SailConfig, rank_info: RankInfo, backend: Backend, log_dir: Path, group: int | None,
-    closing: ExitStack,
+    config: SailConfig, rank_info: RankInfo, backend: Backend, log_dir: Path, replica_env: ReplicaEnv | None,
+    counters: StepCounters, closing: ExitStack,
 ) -> SampleLedger | None:  # fmt: skip
     """This process's sample ledger (``sail.ledger``; None when off). Collective when on: the ranks
-    agree on the attempt's id."""
+    agree on the attempt's id. With replica groups the header names the group and the job (a digest
+    of the job's secret: torchft's quorum ids count from 1 again in every job)."""
     if not config.sail.ledger:
         return None
     distributed = rank_info.world_size > 1 and dist.is_initialized()
     attempt = attempt_id(backend.all_reduce_sum if distributed else None, rank_info.rank)
-    replica = backend.data_parallel
-    facts = {"rank": rank_info.rank, "world_size": rank_info.world_size, "group": group,
-             "dp_rank": replica.rank, "dp_size": replica.size}  # fmt: skip
-    made = SampleLedger(log_dir, attempt, facts)
+    shard = backend.data_parallel
+    facts: dict[str, Any] = {"rank": rank_info.rank, "world_size": rank_info.world_size,
+                             "group": None if replica_env is None else replica_env.group,
+                             "dp_rank": shard.rank, "dp_size": shard.size}  # fmt: skip
+    if replica_env is not None:
+        facts["job"] = hashlib.sha256(replica_env.secret).hexdigest()[:16]
+    made = SampleLedger(log_dir, attempt, facts, lambda: counters.global_steps)
     closing.callback(made.close)
     return made
 

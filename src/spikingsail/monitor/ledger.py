@@ -52,8 +52,9 @@ class SampleLedger:
     """This process's ledger: a step feature (``optimizer_end``, ``discarded``) fed by the training
     loader (``take``), and a ``Stateful`` part of the engine's state (where a state came from)."""
 
-    def __init__(self, run_dir: Path, attempt: int, facts: dict[str, Any]) -> None:
-        """``facts``: what the header says of the process (rank, world size, replica group, ...)."""
+    def __init__(self, run_dir: Path, attempt: int, facts: dict[str, Any], steps: Callable[[], int]) -> None:
+        """``facts``: what the header says of the process (rank, world size, replica group, ...);
+        ``steps``: the engine's committed optimizer steps."""
         self.directory = run_dir / LEDGER_DIR
         self.attempt, self.facts = attempt, facts
         group = facts.get("group")
@@ -63,8 +64,7 @@ class SampleLedger:
         self._ids: list[int] = []
         self._epoch = 0
         self._loader_facts: dict[str, int] | None = None
-        self._step = 0
-        """The step of the state this process holds: its last committed step, or the loaded one's."""
+        self._steps = steps
         self._origins: list[str] = []
         """Lines that wait for the file (a state loaded before the first step)."""
 
@@ -82,7 +82,6 @@ class SampleLedger:
     def optimizer_end(self, notes: StepNotes) -> None:
         if self._file is None:
             self._open()
-        self._step = notes.step
         line = {"step": notes.step, "epoch": self._epoch, "ids": self._ids, "time": round(time.time(), 3)}
         if notes.skipped:
             line["skipped"] = True
@@ -98,14 +97,13 @@ class SampleLedger:
 
     def state_dict(self) -> dict[str, Any]:
         """Whose state this is: this attempt's (and replica group's), at its step."""
-        return {"group": self.facts.get("group"), "attempt": self.attempt, "step": self._step}
+        return {"group": self.facts.get("group"), "attempt": self.attempt, "step": self._steps()}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """A state was loaded (a checkpoint, or a live replica group's): write whose it was. (A state
         saved without the ledger names nobody; ``ledger_check`` then finds its attempt by its step.)"""
-        self._step = int(saved["step"])
         source = {"group": saved["group"], "attempt": saved["attempt"]}
-        line = json.dumps({"from": source, "step": self._step, "time": round(time.time(), 3)},
+        line = json.dumps({"from": source, "step": int(saved["step"]), "time": round(time.time(), 3)},
                           separators=(",", ":"))  # fmt: skip
         if self._file is None:
             self._origins.append(line)  # the header comes first, once the loader's facts are known

@@ -33,6 +33,8 @@ Chain = tuple[int | None, int]
 """An attempt of a replica group (None without groups): (group, attempt)."""
 Record = tuple[int, int, list[int], int | None, float]
 """A committed step: (step, epoch, ids, quorum, time)."""
+Taken = tuple[Chain, int, Record]
+"""A step on the final state's path: the chain, its segment and the record."""
 
 
 @dataclass(slots=True)
@@ -44,6 +46,8 @@ class Segment:
     source: Chain | None
     since: float
     records: dict[int, Record] = field(default_factory=dict)
+    order: list[int] = field(default_factory=list)
+    """The steps in the file's order (a step written twice is in ``records`` once)."""
 
 
 @dataclass(slots=True)
@@ -129,6 +133,7 @@ def _read(path: Path) -> LedgerFile:
                         Segment(record[0] - 1, None, float(parsed.header.get("started", 0)))
                     )
                 parsed.segments[-1].records[record[0]] = record
+                parsed.segments[-1].order.append(record[0])
                 parsed.steps.append(record)
         except (ValueError, KeyError, TypeError) as err:
             if number == len(lines) and not ended:
@@ -148,7 +153,7 @@ def _read(path: Path) -> LedgerFile:
 
 def _header(value: dict[str, Any]) -> dict[str, Any]:
     if value.get("ledger") != FORMAT or not all(
-        isinstance(value.get(key, 0), int) for key in ("attempt", *FACTS)
+        isinstance(value.get(key, 0), int) for key in ("attempt", "rank", *FACTS)
     ) or "attempt" not in value or not isinstance(value.get("group"), int | None):  # fmt: skip
         raise ValueError(f"not a ledger header of format {FORMAT}")
     return value
@@ -192,67 +197,89 @@ def resolve(run: Path) -> Ledger:
     # the samples of a step: every process in its quorum, or (without one) every rank of its attempt
     taken: dict[tuple[int, Any], list[int]] = collections.defaultdict(list)
     for item in files:
-        for step, _, ids, quorum, _ in item.steps:
-            taken[step, ("quorum", quorum) if quorum is not None else item.chain].extend(ids)
+        for index, segment in enumerate(item.segments):
+            for step, _, ids, quorum, _ in segment.records.values():
+                taken[step, _together(item, index, quorum)].extend(ids)
     # a chain's path is read in the file of its lowest rank (every rank loads the same states)
     lead = {chain: min(own, key=lambda f: f.header.get("rank", 0)) for chain, own in chains.items()}
-    ending = sorted((item.steps[-1][4], chain[1], chain) for chain, item in lead.items() if item.steps)
-    path: dict[int, tuple[Chain, Record]] = {}
+    ending = sorted((c for c, item in lead.items() if item.steps),
+                    key=lambda c: (lead[c].steps[-1][4], c[1], -1 if c[0] is None else c[0]))  # fmt: skip
+    path: dict[int, Taken] = {}
     if ending:  # the newest state, and the groups that took its last step with it
-        *_, final = ending[-1]
+        final = ending[-1]
         path, handovers = _path(lead, final, ledger)
         if handovers:
             ledger.notes.append(f"the final state's history crosses {handovers} load(s) of another attempt's "
                                 "or group's state (a resume or a heal)")  # fmt: skip
-        last, _, _, quorum, _ = lead[final].steps[-1]
-        for *_, chain in ending[:-1]:
-            if quorum is None or lead[chain].steps[-1][0::3] != (last, quorum):
-                continue  # it did not take the last step with the final state's group
-            other, _ = _path(lead, chain, ledger)
-            differ = sorted(path.keys() ^ other.keys()) + [
-                s for s in sorted(path.keys() & other.keys())
-                if sorted(taken[s, _key(path[s])]) != sorted(taken[s, _key(other[s])])
-            ]  # fmt: skip
-            if differ:
-                ledger.problems.append(f"{_named(chain)} took step {last} with {_named(final)} but has another "
-                                       f"history: other samples or no record at steps {_listed(sorted(differ))}")  # fmt: skip
+        _check_ending(ledger, lead, taken, ending, path)
     for step, entry in sorted(path.items()):
-        ledger.steps[step] = list(taken[step, _key(entry)])
-        ledger.epochs[step] = entry[1][1]
-    used = {(step, _key(entry)) for step, entry in path.items()}
-    for chain, item in lead.items():
-        ledger.redone += sum(1 for step, _, _, quorum, _ in item.steps
-                             if (step, ("quorum", quorum) if quorum is not None else chain) not in used)  # fmt: skip
+        ledger.steps[step] = list(taken[step, _key(lead, entry)])
+        ledger.epochs[step] = entry[2][1]
+    used = {(step, _key(lead, entry)) for step, entry in path.items()}
+    for item in lead.values():
+        ledger.redone += sum((step, _together(item, index, quorum)) not in used
+                             for index, segment in enumerate(item.segments)
+                             for step, _, _, quorum, _ in segment.records.values())  # fmt: skip
     _check_steps(ledger)
     return ledger
 
 
-def _key(entry: tuple[Chain, Record]) -> Any:
-    chain, (_, _, _, quorum, _) = entry
-    return ("quorum", quorum) if quorum is not None else chain
+def _check_ending(
+    ledger: Ledger, lead: dict[Chain, LedgerFile], taken: dict[tuple[int, Any], list[int]], ending: list[Chain],
+    path: dict[int, Taken],
+) -> None:  # fmt: skip
+    """The groups that took the final state's last step with it (its quorum) hold the same state:
+    their histories must have the same samples at every step."""
+    final = ending[-1]
+    last, _, _, quorum, _ = lead[final].steps[-1]
+    for chain in ending[:-1]:
+        if quorum is None or lead[chain].steps[-1][0::3] != (last, quorum):
+            continue  # it did not take the last step with the final state's group
+        other, _ = _path(lead, chain, ledger)
+        differ = sorted(path.keys() ^ other.keys()) + [
+            s for s in sorted(path.keys() & other.keys())
+            if sorted(taken[s, _key(lead, path[s])]) != sorted(taken[s, _key(lead, other[s])])
+        ]  # fmt: skip
+        if differ:
+            ledger.problems.append(f"{_named(chain)} took step {last} with {_named(final)} but has another "
+                                   f"history: other samples or no record at steps {_listed(sorted(differ))}")  # fmt: skip
 
 
-def _path(
-    lead: dict[Chain, LedgerFile], final: Chain, ledger: Ledger
-) -> tuple[dict[int, tuple[Chain, Record]], int]:
+def _together(item: LedgerFile, segment: int, quorum: int | None) -> Any:
+    """Who took a step of ``item``'s ``segment`` with it: torchft's quorum of that step in this job,
+    or (without replica groups) the ranks of its attempt, from the same loaded state on."""
+    return ("quorum", item.header.get("job"), quorum) if quorum is not None else (item.chain, segment)
+
+
+def _key(lead: dict[Chain, LedgerFile], entry: Taken) -> Any:
+    chain, segment, (_, _, _, quorum, _) = entry
+    return _together(lead[chain], segment, quorum)
+
+
+def _path(lead: dict[Chain, LedgerFile], final: Chain, ledger: Ledger) -> tuple[dict[int, Taken], int]:
     """The record of every step from the final state of ``final`` back to step 1 (or to where the
     ledger starts): down a segment's steps, then into the state it started from; and how many such
     hand-overs it passed."""
-    path: dict[int, tuple[Chain, Record]] = {}
+    path: dict[int, Taken] = {}
     chain, index = final, len(lead[final].segments) - 1
     step = max(lead[chain].segments[index].records, default=lead[chain].segments[index].start)
     handovers, seen = 0, set()
     while step > 0:
         segment = lead[chain].segments[index]
-        if step > segment.start:
-            if step in segment.records:  # else: a step with no record, named by _check_steps
-                path[step] = (chain, segment.records[step])
-            step -= 1
-            continue
+        for number in sorted((s for s in segment.records if segment.start < s <= step), reverse=True):
+            path[number] = (
+                chain,
+                index,
+                segment.records[number],
+            )  # a step with no record: named by _check_steps
+        step = min(step, segment.start)
+        if step <= 0:
+            break
         source = segment.source or _earlier(lead, chain, step)
         if source is None:
             break  # the ledger starts here: a resume of a run without it
-        found = _segment_at(lead.get(source), step, segment.since)
+        # a process that loaded a state of its own (a checkpoint it saved) took it from before
+        found = _segment_at(lead.get(source), step, segment.since, index if source == chain else None)
         if found is None or (source, found, step) in seen:
             ledger.problems.append(
                 f"the state at step {step} of {_named(chain)} came from {_named(source)}, "
@@ -264,14 +291,14 @@ def _path(
     return path, handovers
 
 
-def _segment_at(item: LedgerFile | None, step: int, before: float) -> int | None:
+def _segment_at(item: LedgerFile | None, step: int, before: float, below: int | None = None) -> int | None:
     """The segment of ``item`` that held its state at ``step`` when another process loaded it at
-    time ``before``: one that started at that step or took it. Of two (the state at that step was
-    replaced by another group's, as when groups at the same step held different states), the later
-    one that had begun by then."""
+    time ``before`` (or its own segment ``below`` did): one that started at that step or took it.
+    Of two (the state at that step was replaced by another group's, as when groups at the same step
+    held different states), the later one that had begun by then."""
     if item is None:
         return None
-    held = [i for i, s in enumerate(item.segments) if s.start == step or step in s.records]
+    held = [i for i, s in enumerate(item.segments[:below]) if s.start == step or step in s.records]
     begun = [i for i in held if item.segments[i].since <= before]
     return (begun or held)[-1] if held else None
 
@@ -290,9 +317,11 @@ def _check_files(ledger: Ledger, files: list[LedgerFile]) -> None:
         if item.truncated:
             ledger.notes.append(f"{item.path.name}: its last line was cut short (the process was killed while "
                                 "writing it) and is left out")  # fmt: skip
-        order = [record[0] for record in item.steps]
-        if any(b <= a for a, b in itertools.pairwise(order)):
-            ledger.problems.append(f"{item.path.name}: the steps are not in order ({_listed(order)})")
+        for segment in item.segments:  # a loaded state may be an earlier one: its steps start again
+            if any(b <= a for a, b in itertools.pairwise(segment.order)):
+                ledger.problems.append(
+                    f"{item.path.name}: the steps are not in order ({_listed(segment.order)})"
+                )
 
 
 def _check_steps(ledger: Ledger) -> None:
@@ -303,9 +332,14 @@ def _check_steps(ledger: Ledger) -> None:
     if steps[0] != 1:
         ledger.notes.append(f"the ledger starts at step {steps[0]} (a resume of a run without it, or its "
                             "earlier files are elsewhere)")  # fmt: skip
-    missing = sorted(set(range(steps[0], steps[-1] + 1)) - set(steps))
-    if missing:
-        ledger.problems.append(f"{len(missing)} step(s) have no record: {_listed(missing)}")
+    gaps = [(a, b) for a, b in itertools.pairwise(steps) if b > a + 1]
+    if gaps:
+        count = sum(b - a - 1 for a, b in gaps)
+        named = ", ".join(
+            str(s) for s in itertools.islice((s for a, b in gaps for s in range(a + 1, b)), SHOWN)
+        )
+        more = f" and {count - SHOWN} more" if count > SHOWN else ""
+        ledger.problems.append(f"{count} step(s) have no record: {named}{more}")
     per_epoch: dict[int, list[int]] = collections.defaultdict(list)
     for step in steps:
         per_epoch[ledger.epochs[step]].append(step)

@@ -372,7 +372,7 @@ def test_a_groups_killed_agent_is_started_again_and_its_orphaned_worker_ends(tmp
     os.kill(agent, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:  # not reaped: a zombie
-        if Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+        if _state(worker) == "Z":
             break
         time.sleep(0.1)
     else:

@@ -211,6 +211,14 @@ def test_a_script_that_loads_its_own_earlier_checkpoint_counts_the_steps_after_i
     assert {s: sorted(i) for s, i in resolved.steps.items()} == {n: WHOLE[(n - 1) % 2] for n in range(1, 5)}
 
 
+def test_groups_that_disagree_on_a_steps_epoch_are_named(tmp_path: Path) -> None:
+    ledger = tmp_path / "run" / "ledger"
+    write(ledger, "1-g0-r0.jsonl", header(1, group=0), took(1, [0, 1], 1, 1.0))
+    write(ledger, "1-g1-r0.jsonl", header(1, group=1), {**took(1, [2, 3], 1, 1.0), "epoch": 1})
+    shown = ledger_check.report(ledger_check.resolve(tmp_path / "run"))
+    assert "PROBLEM step 1 is in epochs [0, 1] in the records of the processes that took it together" in shown
+
+
 def test_lost_samples_missing_steps_and_steps_out_of_order_are_named(tmp_path: Path) -> None:
     ledger = tmp_path / "run" / "ledger"
     write(ledger, "1-r0.jsonl", header(1), step(1, [0, 1, 2]), step(2, [4, 5, 6, 7]), step(5, [0, 1]),

@@ -54,8 +54,6 @@ class Segment:
 class LedgerFile:
     path: Path
     header: dict[str, Any]
-    steps: list[Record] = field(default_factory=list)
-    """Each line's step after the header, in the file's order."""
     segments: list[Segment] = field(default_factory=list)
     truncated: bool = False
     """The last line was cut short (the process was killed while writing it): left out."""
@@ -63,6 +61,12 @@ class LedgerFile:
     @property
     def chain(self) -> Chain:
         return self.header.get("group"), self.header["attempt"]
+
+    @property
+    def last(self) -> Record | None:
+        """The step written last (None: the process committed none)."""
+        written = [s for s in self.segments if s.order]
+        return written[-1].records[written[-1].order[-1]] if written else None
 
 
 @dataclass(slots=True)
@@ -134,7 +138,6 @@ def _read(path: Path) -> LedgerFile:
                     )
                 parsed.segments[-1].records[record[0]] = record
                 parsed.segments[-1].order.append(record[0])
-                parsed.steps.append(record)
         except (ValueError, KeyError, TypeError) as err:
             if number == len(lines) and not ended:
                 if parsed is not None:
@@ -196,14 +199,16 @@ def resolve(run: Path) -> Ledger:
     _check_files(ledger, files)
     # the samples of a step: every process in its quorum, or (without one) every rank of its attempt
     taken: dict[tuple[int, Any], list[int]] = collections.defaultdict(list)
+    epochs: dict[tuple[int, Any], set[int]] = collections.defaultdict(set)
     for item in files:
         for index, segment in enumerate(item.segments):
-            for step, _, ids, quorum, _ in segment.records.values():
+            for step, epoch, ids, quorum, _ in segment.records.values():
                 taken[step, _together(item, index, quorum)].extend(ids)
+                epochs[step, _together(item, index, quorum)].add(epoch)
     # a chain's path is read in the file of its lowest rank (every rank loads the same states)
     lead = {chain: min(own, key=lambda f: f.header.get("rank", 0)) for chain, own in chains.items()}
-    ending = sorted((c for c, item in lead.items() if item.steps),
-                    key=lambda c: (lead[c].steps[-1][4], c[1], -1 if c[0] is None else c[0]))  # fmt: skip
+    last = {chain: record for chain, item in lead.items() if (record := item.last) is not None}
+    ending = sorted(last, key=lambda c: (last[c][4], c[1], -1 if c[0] is None else c[0]))
     path: dict[int, Taken] = {}
     if ending:  # the newest state, and the groups that took its last step with it
         final = ending[-1]
@@ -211,10 +216,13 @@ def resolve(run: Path) -> Ledger:
         if handovers:
             ledger.notes.append(f"the final state's history crosses {handovers} load(s) of another attempt's "
                                 "or group's state (a resume or a heal)")  # fmt: skip
-        _check_ending(ledger, lead, taken, ending, path)
+        _check_ending(ledger, lead, taken, [(chain, last[chain]) for chain in ending], path)
     for step, entry in sorted(path.items()):
         ledger.steps[step] = list(taken[step, _key(lead, entry)])
         ledger.epochs[step] = entry[2][1]
+        if len(together := epochs[step, _key(lead, entry)]) > 1:
+            ledger.problems.append(f"step {step} is in epochs {sorted(together)} in the records of the processes "
+                                   "that took it together")  # fmt: skip
     used = {(step, _key(lead, entry)) for step, entry in path.items()}
     for item in lead.values():
         ledger.redone += sum((step, _together(item, index, quorum)) not in used
@@ -225,15 +233,15 @@ def resolve(run: Path) -> Ledger:
 
 
 def _check_ending(
-    ledger: Ledger, lead: dict[Chain, LedgerFile], taken: dict[tuple[int, Any], list[int]], ending: list[Chain],
-    path: dict[int, Taken],
+    ledger: Ledger, lead: dict[Chain, LedgerFile], taken: dict[tuple[int, Any], list[int]],
+    ending: list[tuple[Chain, Record]], path: dict[int, Taken],
 ) -> None:  # fmt: skip
     """The groups that took the final state's last step with it (its quorum) hold the same state:
-    their histories must have the same samples at every step."""
-    final = ending[-1]
-    last, _, _, quorum, _ = lead[final].steps[-1]
-    for chain in ending[:-1]:
-        if quorum is None or lead[chain].steps[-1][0::3] != (last, quorum):
+    their histories must have the same samples at every step. ``ending``: each attempt's last step,
+    the final state's last."""
+    final, (last, _, _, quorum, _) = ending[-1]
+    for chain, record in ending[:-1]:
+        if quorum is None or record[0::3] != (last, quorum):
             continue  # it did not take the last step with the final state's group
         other, _ = _path(lead, chain, ledger)
         differ = sorted(path.keys() ^ other.keys()) + [
@@ -267,11 +275,8 @@ def _path(lead: dict[Chain, LedgerFile], final: Chain, ledger: Ledger) -> tuple[
     while step > 0:
         segment = lead[chain].segments[index]
         for number in sorted((s for s in segment.records if segment.start < s <= step), reverse=True):
-            path[number] = (
-                chain,
-                index,
-                segment.records[number],
-            )  # a step with no record: named by _check_steps
+            # a step with no record is named by _check_steps
+            path[number] = (chain, index, segment.records[number])
         step = min(step, segment.start)
         if step <= 0:
             break

@@ -372,10 +372,6 @@ class Engine(DeepSpeedNames):
             self._training_state(False), path, dtype, steps=self.counters, beat=self.heartbeat
         )
 
-    def restore_loaders(self, states: list[dict[str, int]]) -> None:
-        """Data positions from a checkpoint, for loaders made so far and those made later (by order)."""
-        self.loaders.restore(states)
-
     # -- state -----------------------------------------------------------------------------------
 
     def state_parts(self, *, with_optimizer: bool = True) -> dict[str, Stateful]:
@@ -399,15 +395,10 @@ class Engine(DeepSpeedNames):
             part.load_state_dict(state_dict)
 
     def _training_state(self, with_optimizer: bool = True) -> TrainingState:
-        return TrainingState(
-            module=self.module,
-            optimizer=self.optimizer if with_optimizer else None,
-            backend=self.backend,
-            config=self.config,
-            rank_info=self.rank_info,
-            device=self.device,
-            states=self.state_parts(with_optimizer=with_optimizer),
-        )
+        optimizer = self.optimizer if with_optimizer else None
+        states = self.state_parts(with_optimizer=with_optimizer)
+        return TrainingState(module=self.module, optimizer=optimizer, backend=self.backend, config=self.config,
+                             rank_info=self.rank_info, device=self.device, states=states)  # fmt: skip
 
     # -- spiking networks ------------------------------------------------------------------------
 

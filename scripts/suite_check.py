@@ -3,7 +3,8 @@
     python scripts/suite_check.py snapshot FILE            what runs and is mounted before the suite
     python scripts/suite_check.py leftovers FILE           after it: processes started since, network
                                                            namespaces and mounts added since; exit 1 if any
-    python scripts/suite_check.py slowest SECONDS XML...   the suite's wall time and its 25 slowest tests
+    python scripts/suite_check.py slowest SECONDS XML...   the suite's wall time, its 25 slowest tests
+                                                           and the 25 that cost the most CPU time
 
 A process counts when it started after the snapshot and carries the snapshot's mark in its
 environment (``SAIL_SUITE_MARK``, which test.sh exports, so every process the tests start inherits
@@ -114,17 +115,28 @@ def leftovers(path: Path) -> int:
 
 
 def slowest(wall_seconds: float, reports: list[Path], count: int = 25) -> None:
-    cases = []
+    cases, cpu = [], []
     for report in reports:
         if not report.exists():  # a run that selected nothing, or that was killed
             continue
         for case in ET.parse(report).getroot().iter("testcase"):  # noqa: S314 (pytest wrote it here)
-            cases.append((float(case.get("time", 0)), f"{case.get('classname')}::{case.get('name')}"))
+            name = f"{case.get('classname')}::{case.get('name')}"
+            cases.append((float(case.get("time", 0)), name))
+            cpu += [
+                (float(p.get("value", 0)), name)
+                for p in case.iter("property")
+                if p.get("name") == "cpu_seconds"
+            ]
     minutes, seconds = divmod(round(wall_seconds), 60)
     print(f"suite: {minutes} min {seconds} s wall time for the tests, {len(cases)} test(s)")
     print(f"suite: the {count} slowest (setup, call and teardown):")
     for spent, name in sorted(cases, reverse=True)[:count]:
         print(f"  {spent:8.1f} s  {name}")
+    if cpu:  # tests/cpu_time.py: the test's processes and those they started, on every core
+        total = sum(spent for spent, _ in cpu)
+        print(f"suite: {total / 60:.0f} CPU-minutes in {len(cpu)} test(s); the {count} costliest:")
+        for spent, name in sorted(cpu, reverse=True)[:count]:
+            print(f"  {spent:8.1f} CPU-s  {name}")
 
 
 def main(argv: list[str]) -> int:

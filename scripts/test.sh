@@ -32,9 +32,14 @@ done
 only=""
 for mark in "${marks[@]+"${marks[@]}"}"; do only+="$mark and "; done
 status=0 selected=0
+cpu_groups=/sys/fs/cgroup/cpuacct/sail-suite  # each lane's cpuacct group: its tests' CPU time (tests/cpu_time.py)
 run() {  # run LABEL MARKS: pytest on the tests the marks select, in a scratch directory of its own
-  .venv/bin/pytest -p no:cacheprovider --basetemp "$scratch/$1" --junitxml "$scratch/$1.xml" \
-    -m "$only$2" "${rest[@]+"${rest[@]}"}"
+  local group=$cpu_groups-$SAIL_SUITE_MARK-$1
+  (
+    if mkdir "$group" 2>/dev/null; then echo "$BASHPID" > "$group/cgroup.procs"; fi
+    exec .venv/bin/pytest -p no:cacheprovider --basetemp "$scratch/$1" --junitxml "$scratch/$1.xml" \
+      -m "$only$2" "${rest[@]+"${rest[@]}"}"
+  )
 }
 outcome() {  # the worst status so far; 5 (no test selected) only where no run selected any
   if [ "$1" = 5 ]; then return 0; fi
@@ -49,9 +54,11 @@ scratch=$(mktemp -d)
 SAIL_SUITE_MARK=$(.venv/bin/python -c "import secrets; print(secrets.token_hex(8))")
 export SAIL_SUITE_MARK
 .venv/bin/python scripts/suite_check.py snapshot "$scratch/before.json"
+export SAIL_TEST_CPU_TIME=1
 started=$(date +%s)
 beside=""
-trap 'kill $beside 2>/dev/null || true; rm -rf "$scratch" 2>/dev/null || true' EXIT
+trap 'kill $beside 2>/dev/null || true; rm -rf "$scratch" 2>/dev/null || true
+      rmdir "$cpu_groups-$SAIL_SUITE_MARK"-* 2>/dev/null || true' EXIT
 lanes() {  # lanes NAME MARKS [NAME MARKS ...]: runs side by side, each later one's output after the first's
   local first=$1 marks=$2 name pids=()
   shift 2

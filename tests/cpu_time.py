@@ -49,7 +49,9 @@ def _seconds(usage: Path) -> float:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
+def pytest_runtest_protocol(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, object, object]:
     if _USAGE:  # the report turns the property into text as the teardown's report is written
         item.user_properties.append(("cpu_seconds", _Since(_USAGE[0], _seconds(_USAGE[0]))))
     return (yield)

@@ -149,6 +149,15 @@ if unreadable_cuda_archs(archs):
     --no-build-isolation --no-cache-dir --force-reinstall "$ds_pin"
   touch "$venv/.deepspeed-cuda-ops"
 fi
+if [ "${1:-}" != "--main" ] && [ ! -f "$venv/.bytecode-complete" ]; then  # main.sh: the job's alone, below
+  # uv writes no bytecode, and where PYTHONDONTWRITEBYTECODE is set no process writes any either: each
+  # would compile everything it imports (torch's import: 10.7 CPU-s from source, 5.3 from bytecode).
+  # Written once for everything installed; files that are not Python 3 (templates, examples) are skipped.
+  echo "[setup] writing the environment's bytecode (once: about a minute)"
+  "$venv/bin/python" -m compileall -q -q -j 0 \
+    "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
+  touch "$venv/.bytecode-complete"
+fi
 if [ "$lean" = 1 ] && [ -x "$uv_home/bin/uv" ]; then  # uv installs this checkout in a second, pip in five
   "$uv_home/bin/uv" pip install --quiet --python "$venv/bin/python" --no-deps --no-build-isolation -e "$root"
 else

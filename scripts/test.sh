@@ -6,6 +6,9 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$root/scripts/install.sh"  # what the Dockerfile's image runs: system packages, pinned environment
 cd "$root"
+# The checkout's bytecode, as setup.sh writes the environment's: a fresh clone has none, and where
+# PYTHONDONTWRITEBYTECODE is set, every process the tests start would compile what it imports of it.
+.venv/bin/python -m compileall -q -q src tests || true
 lint() {  # ruff, mypy and the docs site (any warning fails: a broken link or anchor, an unfilled reference)
   .venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy &&
     NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet

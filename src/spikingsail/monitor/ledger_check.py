@@ -203,8 +203,9 @@ def resolve(run: Path) -> Ledger:
     for item in files:
         for index, segment in enumerate(item.segments):
             for step, epoch, ids, quorum, _ in segment.records.values():
-                taken[step, _together(item, index, quorum)].extend(ids)
-                epochs[step, _together(item, index, quorum)].add(epoch)
+                at = step, _together(item, index, quorum)
+                taken[at].extend(ids)
+                epochs[at].add(epoch)
     # a chain's path is read in the file of its lowest rank (every rank loads the same states)
     lead = {chain: min(own, key=lambda f: f.header.get("rank", 0)) for chain, own in chains.items()}
     last = {chain: record for chain, item in lead.items() if (record := item.last) is not None}
@@ -218,9 +219,10 @@ def resolve(run: Path) -> Ledger:
                                 "or group's state (a resume or a heal)")  # fmt: skip
         _check_ending(ledger, lead, taken, [(chain, last[chain]) for chain in ending], path)
     for step, entry in sorted(path.items()):
-        ledger.steps[step] = list(taken[step, _key(lead, entry)])
+        at = step, _key(lead, entry)
+        ledger.steps[step] = list(taken[at])
         ledger.epochs[step] = entry[2][1]
-        if len(together := epochs[step, _key(lead, entry)]) > 1:
+        if len(together := epochs[at]) > 1:
             ledger.problems.append(f"step {step} is in epochs {sorted(together)} in the records of the processes "
                                    "that took it together")  # fmt: skip
     used = {(step, _key(lead, entry)) for step, entry in path.items()}

@@ -293,3 +293,61 @@ def test_the_engine_refuses_at_the_first_forward_before_any_step(
             assert torch.equal(value, before[key]), key
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("modules", [[], ["Linear"]], ids=["model", "modules"])
+def test_a_compiled_engine_checks_its_chunks_eagerly_and_refuses_the_same(modules: list[str]) -> None:
+    """Under torch.compile the check runs outside the compiled graphs, and so do the compiled modules
+    it calls (tracing its hooks and its two forwards, or compiling the modules again for its no-grad
+    shapes, costs more than the training step's own compilation: minutes on a CPU), and it refuses as
+    it does eagerly."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": N, **ADAM, "sail": {"progress_bar": False},
+                              "snn": {"step_mode": "m", "time_chunk": 3},
+                              "compile": {"enabled": True, "backend": "eager", "modules": modules}}  # fmt: skip
+    engine, _ = spikingsail.initialize(
+        model=around(TemporalMean()), config=config, rank_info=RankInfo.single()
+    )
+    try:
+        with pytest.raises(ConfigError, match="mixes time steps"):
+            engine(steps())
+        assert engine.global_steps == 0
+        # traced, the check's hooks, generators and context managers break it into dozens of frames
+        # (57 here, with resume functions inside its own); eagerly, the engine's forward up to the
+        # check is 2 (the whole model compiled) or none (its Linear layers: the check calls them)
+        frames = counters["frames"]["total"]
+        resumed = [name for name in counters["resumes"] if "__call__" not in name]
+        assert frames == (0 if modules else 2) and not resumed, (dict(counters["frames"]), resumed)
+    finally:
+        engine.close()
+        torch._dynamo.reset()
+
+
+def test_a_compiled_engine_does_not_compile_again_once_its_chunks_are_checked() -> None:
+    """The check's flag is read outside the compiled forward: torch.compile guards on what it traces,
+    and a flag read there (False at the first step) made it compile the model again at the second."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": N, **ADAM, "sail": {"progress_bar": False},
+                              "snn": {"step_mode": "m", "time_chunk": 3},
+                              "compile": {"enabled": True, "backend": "eager"}}  # fmt: skip
+    engine, _ = spikingsail.initialize(
+        model=around(nn.Identity()), config=config, rank_info=RankInfo.single()
+    )
+    try:
+        frames = []
+        for _ in range(3):
+            engine.backward(engine(steps()).sum())
+            engine.step()
+            frames.append(counters["frames"]["total"])
+        assert frames[0] > 0 and frames[1:] == [frames[0]] * 2, frames
+    finally:
+        engine.close()
+        torch._dynamo.reset()

@@ -12,7 +12,10 @@ and in those two chunks, and compares every module's inputs and outputs along th
 Both runs start from the same neuron state, buffers and RNG state, with torch's batch norms and
 dropouts in eval mode (the comparison is then deterministic and no running statistic moves),
 autocast and TF32 off (float32 rounding, not bf16's, between the two) and the neurons firing
-smoothly (``_smooth``); everything is put back afterwards.
+smoothly (``_smooth``); everything is put back afterwards. Under ``torch.compile`` the check runs
+eagerly (``eagerly``): it is a property of the model, taken once, and tracing its hooks and two
+forwards, or compiling the compiled modules again for its no-grad shapes, costs more than the
+training step's own compilation (minutes on a CPU).
 Each module call keeps a fingerprint per index of each dimension (three sums, in float64), not its
 output, so the check holds what a no-grad forward of 2k steps holds: less than the training forward's
 chunks keep, for a model of more than a few layers.
@@ -21,9 +24,10 @@ chunks keep, for a model of more than a few layers.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -113,6 +117,24 @@ class _Recorder:
         return self._weights[key]
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def eagerly(fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn`` outside ``torch.compile``: not traced where a compiled forward calls it, and the compiled
+    modules it calls run as written (their graphs are the training step's, not a check's)."""
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        with torch.compiler.set_stance("force_eager"):
+            return fn(*args, **kwargs)
+
+    disabled: Callable[P, R] = torch.compiler.disable(run)  # type: ignore[no-untyped-call]
+    return disabled
+
+
+@eagerly
 def check_chunks(model: nn.Module, x: torch.Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any],
                  chunks: int, slots: Slots, what: str) -> None:  # fmt: skip
     """Raise ``ConfigError`` unless ``chunks`` chunks of ``x`` give what the whole ``x`` gives.

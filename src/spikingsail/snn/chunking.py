@@ -50,7 +50,7 @@ from torch.utils.checkpoint import checkpoint
 
 from spikingsail.config.schema import SNNConfig
 from spikingsail.errors import ConfigError, SailError
-from spikingsail.snn.chunk_check import check_chunks
+from spikingsail.snn.chunk_check import check_chunks, eagerly
 
 log = logging.getLogger(__name__)
 
@@ -123,16 +123,24 @@ class TimeChunking:
         chunks = math.ceil(time_steps / steps)
         if chunks <= 1:
             return module(*args, **kwargs)
-        if not self._checked:  # once, before the first chunked forward: exact or refused (chunk_check.py)
-            setting = f"{self.source}: snn.time_chunk is {self.config.time_chunk!r}"
-            check_chunks(self._model, x, args[1:], kwargs, chunks, self._slots, setting)
-            self._checked = True
+        self._check_once(x, args[1:], kwargs, chunks)
         if self._other_buffers:
             return self._all_buffers_forward(
                 module, *args, functional_forward=self._functional, compressor=None, chunks=chunks,
                 chunked_args=(0,), time_dim=0, **kwargs,
             )  # fmt: skip
         return self._forward_chunks(module, x, args[1:], kwargs, chunks)
+
+    @eagerly
+    def _check_once(
+        self, x: torch.Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any], chunks: int
+    ) -> None:
+        """Before the first chunked forward: exact or refused (chunk_check.py). Its flag is read here,
+        outside a compiled forward: torch.compile would guard on it and compile again after the check."""
+        if not self._checked:
+            setting = f"{self.source}: snn.time_chunk is {self.config.time_chunk!r}"
+            check_chunks(self._model, x, rest, kwargs, chunks, self._slots, setting)
+            self._checked = True
 
     def _forward_chunks(
         self, module: nn.Module, x: torch.Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any], chunks: int
@@ -221,6 +229,7 @@ class TimeChunking:
             )
         return choice.steps_per_chunk
 
+    @eagerly  # once per input shape: it counts what the model's eager forward saves
     def _measure(
         self, module: nn.Module, x: torch.Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[int, int]:

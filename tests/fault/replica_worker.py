@@ -140,9 +140,13 @@ def main() -> None:
             engine.step()
             if engine.global_steps > step:  # committed; written at once, before a kill can come
                 digest = sum(float(full(p).double().sum()) for p in model.parameters())
-                quorum = engine.replicas.manager._quorum_id if engine.replicas is not None else None
+                manager = engine.replicas.manager if engine.replicas is not None else None
+                quorum = manager._quorum_id if manager is not None else None
+                alone = manager is None or manager.num_participants() == 1
                 entry = {"step": step, "ids": sample_ids.flatten().int().tolist(), "digest": digest,
-                         "time": time.time(), "rank": engine.rank, "quorum": quorum}  # fmt: skip
+                         "time": time.time(), "rank": engine.rank, "quorum": quorum, "alone": alone,
+                         "group": group, "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
+                         "pid": os.getpid()}  # fmt: skip
                 ledger.write(json.dumps(entry) + "\n")
                 ledger.flush()
             time.sleep(args.step_sleep)

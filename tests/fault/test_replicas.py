@@ -84,12 +84,14 @@ def ledger(out: Path) -> list[dict[str, Any]]:
 def committed_samples(out: Path) -> dict[int, list[int]]:
     """The sample ids of each committed step (counted from 0), over the processes that took part in it.
     Groups that did not see each other may each have taken a step alone, from the same state (torchft
-    gave each a quorum of its own): then each quorum took the whole step's samples, once."""
-    by_quorum: dict[int, dict[int, list[int]]] = collections.defaultdict(
+    gave each a quorum of its own): then each quorum took the whole step's samples, once. A group
+    alone in its quorum is told apart by itself, not by the quorum's id: a lighthouse started again
+    numbers its quorums from 1 again, so two groups apart can take a step under the same id."""
+    by_quorum: dict[int, dict[Any, list[int]]] = collections.defaultdict(
         lambda: collections.defaultdict(list)
     )
     for entry in ledger(out):
-        by_quorum[entry["step"]][entry["quorum"]] += entry["ids"]
+        by_quorum[entry["step"]][took(entry)] += entry["ids"]
     steps = {}
     for step, quorums in by_quorum.items():
         first, *others = (sorted(ids) for ids in quorums.values())
@@ -98,6 +100,28 @@ def committed_samples(out: Path) -> dict[int, list[int]]:
         )
         steps[step] = first
     return steps
+
+
+def took(entry: dict[str, Any]) -> Any:
+    """Who took a step with this process: its quorum, or (alone in it) its group's attempt."""
+    return ("alone", entry["group"], entry["attempt"]) if entry["alone"] else entry["quorum"]
+
+
+def engine_quorums_match_the_script(out: Path) -> tuple[int, int]:
+    """The engine's ledger names a step's quorum where other groups took it too, and none where the
+    group took it alone, as the script saw (its lines matched by process and step). Returns how
+    many matched lines named a quorum and how many named none."""
+    seen = {(entry["pid"], entry["step"] + 1): entry for entry in ledger(out)}
+    named = alone = 0
+    for path in (out / "ledger").glob("*.jsonl"):
+        header, *lines = [json.loads(line) for line in path.read_text().splitlines()]
+        for line in lines:
+            entry = seen.get((header["pid"], line.get("step")))
+            if entry is None or "from" in line:
+                continue
+            assert line.get("quorum") == (None if entry["alone"] else entry["quorum"]), (path, line, entry)
+            named, alone = named + (not entry["alone"]), alone + entry["alone"]
+    return named, alone
 
 
 def assert_groups_agree_after_every_step(out: Path) -> None:
@@ -130,6 +154,7 @@ def assert_trained_as_one_process(
     """Every process held the same parameters after every committed step, the groups end bit-identical,
     equal to one process on the whole global batch, and every sample was used once per epoch."""
     assert_groups_agree_after_every_step(out)
+    assert engine_quorums_match_the_script(out)[0]
     first, second = finals(out)
     assert_same(first, second, exact=True)
     assert_same(first, reference(tmp_path, ranks))
@@ -253,8 +278,10 @@ def test_a_stopped_group_is_left_out_and_heals_from_a_group_restarted_meanwhile(
     assert heals and heals[-1]["group"] == 1 and heals[-1]["attempt"] in again, (heals, headers)
     digests: dict[tuple[int, int], set[float]] = collections.defaultdict(set)
     for entry in ledger(out):  # the processes that took a step together held the same parameters
-        digests[entry["step"], entry["quorum"]].add(entry["digest"])
+        digests[entry["step"], took(entry)].add(entry["digest"])
     assert {key: d for key, d in digests.items() if len(d) > 1} == {}
+    named, alone = engine_quorums_match_the_script(out)
+    assert named and alone, (named, alone)  # group 1 trained alone, and both groups together
     first, second = finals(out)
     assert_same(first, second, exact=True)
     assert_same(first, reference(tmp_path))

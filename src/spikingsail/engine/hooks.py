@@ -59,7 +59,7 @@ class StepNotes:
     balance: dict[str, Any] | None = None
     stragglers: dict[str, Any] | None = None
     quorum: int | None = None
-    """With replica groups: the torchft quorum that committed the step."""
+    """With replica groups: the torchft quorum that committed the step, when other groups were in it."""
 
 
 class StepHooks:

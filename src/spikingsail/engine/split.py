@@ -220,10 +220,13 @@ class ReplicaSplit(EqualSplit):
         )
 
     def optimizer_end(self, notes: StepNotes) -> None:
-        """Which quorum committed the step: two groups that did not see each other may each take the
-        same step alone (the sample ledger tells them apart)."""
+        """Which quorum committed the step, when it held more than this group (the sample ledger
+        counts its groups' samples together). A group alone in its quorum took the whole step by
+        itself, and two groups apart may each take the same step so: their quorum ids do not tell
+        them apart, since a lighthouse started again numbers its quorums from 1 again."""
         assert self.replicas is not None
-        notes.quorum = self.replicas.manager._quorum_id  # torchft keeps no public name for it
+        manager = self.replicas.manager
+        notes.quorum = manager._quorum_id if manager.num_participants() > 1 else None  # no public name
 
     def sampler(self, dataset: Dataset[Any], shuffle: bool, seed: int, drop_last: bool,
                 loader_kwargs: dict[str, Any]) -> ReplicaBatchSampler | None:  # fmt: skip

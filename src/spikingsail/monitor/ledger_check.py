@@ -4,7 +4,8 @@ Reads the files of ``monitor/ledger.py`` and follows the final state back to ste
 steps of the attempt (and replica group) that holds it, and wherever a state was loaded — a resume
 from a checkpoint, a group healed from a live one — on into the attempt whose state it was, from
 that step down. A step on that path counts with the samples of every process that took it with it:
-the ranks of its attempt, or (replica groups) every group in the same torchft quorum. Every other
+the ranks of its attempt, or (replica groups) every group in the same torchft quorum (a group alone
+in its quorum records none: it took the step with its own ranks only). Every other
 step's work was set aside (taken again after a restart, or dropped by a group that healed from
 another). Then it checks each epoch: no sample twice, and in an epoch whose steps are all there,
 every sample it has once; the steps in order, none missing. Replica groups that ended together

@@ -31,6 +31,18 @@ def wait_for(condition: Callable[[], bool], seconds: float, what: Callable[[], s
         time.sleep(0.05)
 
 
+def left(out: str, what: str) -> str:
+    """What is left of the job writing to ``out``, with each process's Python stacks (py-spy): where
+    a process that should have ended is waiting."""
+    found = processes_with(out)
+    stacks = [
+        subprocess.run([str(Path(sys.executable).with_name("py-spy")), "dump", "--pid", str(pid)],
+                       capture_output=True, text=True, timeout=30).stdout
+        for pid in found
+    ]  # fmt: skip
+    return f"left after {what}: {found}\n" + "\n".join(stacks)
+
+
 def start(
     cluster: NamespaceCluster,
     tmp_path: Path,
@@ -149,7 +161,7 @@ def signal_the_launcher(process: subprocess.Popen[str], tmp_path: Path, signum: 
     out = str(tmp_path / "out")
     wait_for(lambda: started(tmp_path), 90, lambda: (tmp_path / "launch.log").read_text()[-3000:])
     os.kill(sail_pid(out), signum)
-    wait_for(lambda: not processes_with(out), 10, lambda: f"left after {signum.name}: {processes_with(out)}")
+    wait_for(lambda: not processes_with(out), 10, lambda: left(out, signum.name))
     code = process.wait(timeout=10)
     if signum != signal.SIGKILL:  # a wrapper (salloc) reports a killed child in words of its own
         assert code == 128 + signum
@@ -202,7 +214,7 @@ def test_pkill_by_sails_command_line_leaves_nothing_on_either_node(
         named = [line for line in processes_with(out).values() if "sail launch" in line]
         assert len(named) == 1, processes_with(out)
         subprocess.run(["pkill", "-f", f"sail launch .*{out}"], check=True)
-        wait_for(lambda: not processes_with(out), 10, lambda: f"left after pkill: {processes_with(out)}")
+        wait_for(lambda: not processes_with(out), 10, lambda: left(out, "pkill"))
         assert process.wait(timeout=10) == 128 + signal.SIGTERM
     finally:
         stop(tmp_path)
@@ -342,9 +354,7 @@ def test_platform_mode_every_signal_to_each_nodes_launcher_leaves_nothing(
         assert len(sails) == 2, processes_with(out)
         for pid in sails:
             os.kill(pid, signum)
-        wait_for(
-            lambda: not processes_with(out), 10, lambda: f"left after {signum.name}: {processes_with(out)}"
-        )
+        wait_for(lambda: not processes_with(out), 10, lambda: left(out, signum.name))
         if signum != signal.SIGKILL:
             assert [p.wait(timeout=10) for p in processes] == [128 + signum] * 2, logs()
         if signum == signal.SIGUSR1:

@@ -123,7 +123,8 @@ class TimeChunking:
         chunks = math.ceil(time_steps / steps)
         if chunks <= 1:
             return module(*args, **kwargs)
-        self._check_once(x, args[1:], kwargs, chunks)
+        if torch.compiler.is_compiling() or not self._checked:  # traced, the flag is read eagerly
+            self._check_once(x, args[1:], kwargs, chunks)
         if self._other_buffers:
             return self._all_buffers_forward(
                 module, *args, functional_forward=self._functional, compressor=None, chunks=chunks,
@@ -135,8 +136,9 @@ class TimeChunking:
     def _check_once(
         self, x: torch.Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any], chunks: int
     ) -> None:
-        """Before the first chunked forward: exact or refused (chunk_check.py). Its flag is read here,
-        outside a compiled forward: torch.compile would guard on it and compile again after the check."""
+        """Before the first chunked forward: exact or refused (chunk_check.py). Under torch.compile
+        the flag is read here, outside the compiled forward, which would guard on it and compile the
+        model again once it is set; an eager forward reads it itself and calls nothing once it is."""
         if not self._checked:
             setting = f"{self.source}: snn.time_chunk is {self.config.time_chunk!r}"
             check_chunks(self._model, x, rest, kwargs, chunks, self._slots, setting)

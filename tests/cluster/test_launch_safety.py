@@ -17,6 +17,7 @@ import pytest
 
 from spikingsail.launchers.command import FORWARDED
 from spikingsail.launchers.lifeline import AGENT_GRACE_SECONDS
+from spikingsail.monitor.heartbeat import py_spy
 from tests.cluster.harness import NamespaceCluster, processes_with
 from tests.cluster.test_ssh_pdsh import SAIL, assert_no_job_left, hostfile
 
@@ -34,12 +35,15 @@ def wait_for(condition: Callable[[], bool], seconds: float, what: Callable[[], s
 def left(out: str, what: str) -> str:
     """What is left of the job writing to ``out``, with each process's Python stacks (py-spy): where
     a process that should have ended is waiting."""
-    found = processes_with(out)
-    stacks = [
-        subprocess.run([str(Path(sys.executable).with_name("py-spy")), "dump", "--pid", str(pid)],
-                       capture_output=True, text=True, timeout=30).stdout
-        for pid in found
-    ]  # fmt: skip
+    found, spy, stacks = processes_with(out), py_spy(), []
+    for pid in found if spy else []:
+        try:
+            dump = subprocess.run(
+                [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30
+            )
+            stacks.append(dump.stdout or dump.stderr)
+        except subprocess.TimeoutExpired:
+            stacks.append(f"{pid}: py-spy dump took over 30 s")
     return f"left after {what}: {found}\n" + "\n".join(stacks)
 
 

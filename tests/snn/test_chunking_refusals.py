@@ -7,8 +7,9 @@ time, or its chunked gradients equal the unchunked ones (rtol 1e-5, atol 1e-6, a
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -295,12 +296,10 @@ def test_the_engine_refuses_at_the_first_forward_before_any_step(
         engine.close()
 
 
-@pytest.mark.parametrize("modules", [[], ["Linear"]], ids=["model", "modules"])
-def test_a_compiled_engine_checks_its_chunks_eagerly_and_refuses_the_same(modules: list[str]) -> None:
-    """Under torch.compile the check runs outside the compiled graphs, and so do the compiled modules
-    it calls (tracing its hooks and its two forwards, or compiling the modules again for its no-grad
-    shapes, costs more than the training step's own compilation: minutes on a CPU), and it refuses as
-    it does eagerly."""
+@contextlib.contextmanager
+def compiled_engine(net: nn.Module, modules: list[str]) -> Iterator[tuple[Any, Any]]:
+    """An engine with ``time_chunk`` 3 whose model (or ``modules`` of it) torch.compile compiles with
+    its eager backend, and dynamo's counters, from zero."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -309,10 +308,21 @@ def test_a_compiled_engine_checks_its_chunks_eagerly_and_refuses_the_same(module
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": N, **ADAM, "sail": {"progress_bar": False},
                               "snn": {"step_mode": "m", "time_chunk": 3},
                               "compile": {"enabled": True, "backend": "eager", "modules": modules}}  # fmt: skip
-    engine, _ = spikingsail.initialize(
-        model=around(TemporalMean()), config=config, rank_info=RankInfo.single()
-    )
+    engine, _ = spikingsail.initialize(model=net, config=config, rank_info=RankInfo.single())
     try:
+        yield engine, counters
+    finally:
+        engine.close()
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("modules", [[], ["Linear"]], ids=["model", "modules"])
+def test_a_compiled_engine_checks_its_chunks_eagerly_and_refuses_the_same(modules: list[str]) -> None:
+    """Under torch.compile the check runs outside the compiled graphs, and so do the compiled modules
+    it calls (tracing its hooks and its two forwards, or compiling the modules again for its no-grad
+    shapes, costs more than the training step's own compilation: minutes on a CPU), and it refuses as
+    it does eagerly."""
+    with compiled_engine(around(TemporalMean()), modules) as (engine, counters):
         with pytest.raises(ConfigError, match="mixes time steps"):
             engine(steps())
         assert engine.global_steps == 0
@@ -322,32 +332,15 @@ def test_a_compiled_engine_checks_its_chunks_eagerly_and_refuses_the_same(module
         frames = counters["frames"]["total"]
         resumed = [name for name in counters["resumes"] if "__call__" not in name]
         assert frames == (0 if modules else 2) and not resumed, (dict(counters["frames"]), resumed)
-    finally:
-        engine.close()
-        torch._dynamo.reset()
 
 
 def test_a_compiled_engine_does_not_compile_again_once_its_chunks_are_checked() -> None:
     """The check's flag is read outside the compiled forward: torch.compile guards on what it traces,
     and a flag read there (False at the first step) made it compile the model again at the second."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": N, **ADAM, "sail": {"progress_bar": False},
-                              "snn": {"step_mode": "m", "time_chunk": 3},
-                              "compile": {"enabled": True, "backend": "eager"}}  # fmt: skip
-    engine, _ = spikingsail.initialize(
-        model=around(nn.Identity()), config=config, rank_info=RankInfo.single()
-    )
-    try:
+    with compiled_engine(around(nn.Identity()), []) as (engine, counters):
         frames = []
         for _ in range(3):
             engine.backward(engine(steps()).sum())
             engine.step()
             frames.append(counters["frames"]["total"])
         assert frames[0] > 0 and frames[1:] == [frames[0]] * 2, frames
-    finally:
-        engine.close()
-        torch._dynamo.reset()

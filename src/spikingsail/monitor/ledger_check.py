@@ -219,14 +219,15 @@ def resolve(run: Path) -> Ledger:
             ledger.notes.append(f"the final state's history crosses {handovers} load(s) of another attempt's "
                                 "or group's state (a resume or a heal)")  # fmt: skip
         _check_ending(ledger, lead, taken, [(chain, last[chain]) for chain in ending], path)
+    used = set()
     for step, entry in sorted(path.items()):
         at = step, _key(lead, entry)
+        used.add(at)
         ledger.steps[step] = list(taken[at])
         ledger.epochs[step] = entry[2][1]
         if len(together := epochs[at]) > 1:
             ledger.problems.append(f"step {step} is in epochs {sorted(together)} in the records of the processes "
                                    "that took it together")  # fmt: skip
-    used = {(step, _key(lead, entry)) for step, entry in path.items()}
     for item in lead.values():
         ledger.redone += sum((step, _together(item, index, quorum)) not in used
                              for index, segment in enumerate(item.segments)

@@ -4,6 +4,7 @@ like DDP, resume exactly, and refuse what they cannot do with a clear message.""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import re
 import subprocess
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import spikingsail
+from spikingsail.backends.deepspeed import _without
 from spikingsail.environments import RankInfo
 from spikingsail.errors import BackendError, SailError
 from tests.multiprocess import run_ranks, train_micro_steps
@@ -284,6 +286,35 @@ def test_the_core_and_the_other_backends_never_import_deepspeed(tmp_path: Path) 
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_deepspeed_is_imported_without_mlflow_and_the_scripts_own_import_of_it_works() -> None:
+    """DeepSpeed's autotuner imports MLflow where it is installed (a second of every rank's start);
+    the backend imports DeepSpeed as where it is not, and the script's own import is unaffected."""
+    script = (
+        "import sys\n"
+        "from spikingsail.backends.deepspeed import import_deepspeed\n"
+        "import_deepspeed('here')\n"
+        "from deepspeed.autotuning import autotuner\n"
+        "print(autotuner.has_mlflow, 'mlflow' in sys.modules)\n"
+        "import mlflow\n"
+        "print(mlflow.__name__, mlflow.__spec__ is not None)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-2:] == ["False False", "mlflow True"]
+
+
+def test_a_module_the_process_has_imported_stays_while_deepspeed_imports() -> None:
+    import colorsys  # noqa: F401  (a module this process has)
+
+    with _without("colorsys"):
+        assert importlib.import_module("colorsys").__name__ == "colorsys"
+    name = "spikingsail_absent_for_the_test"
+    sys.modules.pop(name, None)
+    with _without(name), pytest.raises(ImportError):
+        importlib.import_module(name)
+    assert name not in sys.modules  # hidden only meanwhile
 
 
 SINGLE = """

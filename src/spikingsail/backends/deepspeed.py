@@ -51,11 +51,17 @@ _NEVER = 2**62  # DeepSpeed's own step log is replaced by SpikingSail's monitor
 
 
 def import_deepspeed(where: str) -> Any:
-    """Import DeepSpeed, choosing its CPU accelerator when no GPU is visible."""
+    """Import DeepSpeed, choosing its CPU accelerator when no GPU is visible, without MLflow.
+
+    DeepSpeed's autotuner imports MLflow where it is installed, to log tuning runs (which the
+    ``deepspeed --autotuning`` launcher does, not a training process): a second of each rank's
+    start. Unless the process has imported MLflow itself, DeepSpeed imports as where it is not
+    installed; the script's own ``import mlflow`` afterwards is unaffected."""
     if "deepspeed" not in sys.modules and not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
-        import deepspeed
+        with _without("mlflow"):
+            import deepspeed
     except ImportError as err:
         raise BackendError(
             f"{where}: sail.backend is deepspeed, but DeepSpeed cannot be imported",
@@ -63,6 +69,20 @@ def import_deepspeed(where: str) -> Any:
             f"install it: {INSTALL_HINT}",
         ) from None
     return deepspeed
+
+
+@contextlib.contextmanager
+def _without(module: str) -> Iterator[None]:
+    """``import module`` fails meanwhile, unless the process has imported it already."""
+    if module in sys.modules:
+        yield
+        return
+    sys.modules[module] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if module in sys.modules and sys.modules[module] is None:
+            del sys.modules[module]
 
 
 def deepspeed_config(config: SailConfig) -> dict[str, Any]:

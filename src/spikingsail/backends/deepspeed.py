@@ -51,23 +51,26 @@ _NEVER = 2**62  # DeepSpeed's own step log is replaced by SpikingSail's monitor
 
 
 def import_deepspeed(where: str) -> Any:
-    """Import DeepSpeed, choosing its CPU accelerator when no GPU is visible, without MLflow.
-
-    DeepSpeed's autotuner imports MLflow where it is installed, to log tuning runs (which the
-    ``deepspeed --autotuning`` launcher does, not a training process): a second of each rank's
-    start. Unless the process has imported MLflow itself, DeepSpeed imports as where it is not
-    installed; the script's own ``import mlflow`` afterwards is unaffected."""
+    """Import DeepSpeed (``deepspeed_without_mlflow``), choosing its CPU accelerator when no GPU is visible."""
     if "deepspeed" not in sys.modules and not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
-        with _without("mlflow"):
-            import deepspeed
+        return deepspeed_without_mlflow()
     except ImportError as err:
         raise BackendError(
             f"{where}: sail.backend is deepspeed, but DeepSpeed cannot be imported",
             str(err),
             f"install it: {INSTALL_HINT}",
         ) from None
+
+
+def deepspeed_without_mlflow() -> Any:
+    """``import deepspeed``, without MLflow: DeepSpeed's autotuner imports MLflow where it is
+    installed, to log tuning runs (which the ``deepspeed --autotuning`` launcher does, not a training
+    process), a second of each rank's start. Unless the process has imported MLflow itself, DeepSpeed
+    imports as where it is not installed; the script's own ``import mlflow`` afterwards is unaffected."""
+    with _without("mlflow"):
+        import deepspeed
     return deepspeed
 
 

@@ -22,10 +22,10 @@ def read(handed: Mapping[str, Any], world_size: int, where: str) -> frozenset[st
     ``world_size`` data-parallel processes (those it knows); its refusal as a ``ConfigError`` naming
     ``where`` and the key it refuses. None when DeepSpeed does not import here (the deepspeed
     backend then says why when it is chosen)."""
-    from spikingsail.backends.deepspeed import import_deepspeed
+    from spikingsail.backends.deepspeed import deepspeed_without_mlflow
 
     try:
-        deepspeed = import_deepspeed(where)
+        deepspeed = deepspeed_without_mlflow()
         from deepspeed.runtime import config as _  # noqa: F401
     except Exception:  # a DeepSpeed built for another torch raises more than ImportError
         return None

@@ -283,9 +283,14 @@ def test_the_core_and_the_other_backends_never_import_deepspeed(tmp_path: Path) 
         "engine.close()\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'deepspeed', 'horovod'}))\n"
     )
+    assert printed(script)[-1:] == ["[]"]
+
+
+def printed(script: str) -> list[str]:
+    """The lines ``script`` prints in a fresh interpreter (which has imported nothing yet)."""
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().splitlines()[-1] == "[]"
+    return result.stdout.strip().splitlines()
 
 
 def test_deepspeed_is_imported_without_mlflow_and_the_scripts_own_import_of_it_works() -> None:
@@ -300,9 +305,7 @@ def test_deepspeed_is_imported_without_mlflow_and_the_scripts_own_import_of_it_w
         "import mlflow\n"
         "print(mlflow.__name__, mlflow.__spec__ is not None)\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().splitlines()[-2:] == ["False False", "mlflow True"]
+    assert printed(script)[-2:] == ["False False", "mlflow True"]
 
 
 def test_a_module_the_process_has_imported_stays_while_deepspeed_imports() -> None:

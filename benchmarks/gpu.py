@@ -33,9 +33,10 @@ The rows:
 
 ``--small`` shrinks every row (one block per stage, 10 classes, 32×32 inputs, batch 2, a few
 steps); on a CPU (where it is the only size) the fused rows run the torch ops, marked so, and the
-compiled row compiles with ``aot_eager`` (AOTAutograd's graphs without inductor's code generation:
-inductor's exactness on a CPU is what the differential matrix's compiled cells check). CI runs it (tests/tooling/test_gpu_benchmark.py)
-so that the script cannot rot.
+compiled row compiles with ``aot_eager`` (AOTAutograd's graphs without inductor's code generation,
+a minute of a CPU's time for this model: inductor's exactness on a CPU is what the differential
+matrix's compiled cells check). CI runs it (tests/tooling/test_gpu_benchmark.py) so that the script
+cannot rot.
 """
 
 from __future__ import annotations
@@ -107,8 +108,6 @@ class Size:
 
 
 FULL = Size(small=False, image=224, batch=128, snn_image=128, snn_batch=32, warmup=5, steps=20)
-# small: the compiled row traces through AOTAutograd without inductor's code generation (a minute of a
-# CPU's time for this model); inductor's exactness on a CPU is the differential matrix's compiled cells'
 SMALL = Size(
     small=True, image=32, batch=2, snn_image=32, snn_batch=2, warmup=1, steps=3, compiler="aot_eager"
 )

@@ -130,18 +130,20 @@ class Engine(DeepSpeedNames):
         )
         closing.callback(self.split.close)
         # step hooks: the first added enters first and leaves last (the heartbeat's record holds the rest)
-        self.heartbeat = features.hang_watch(config, rank_info, self.counters, self.log_dir, closing)
+        sail = config.sail
+        self.heartbeat = features.hang_watch(sail, rank_info, self.counters, self.log_dir, closing)
         self.monitor = features.monitor(config, rank_info, self.log_dir, closing)
         self.monitor.attach(
             lr=lambda: float(self.optimizer.param_groups[0]["lr"]), loss_scale=lambda: self.loss_scale
         )
-        self.compiled = features.compiled(config, backend, self.wrapped_module, self.module, self.counters,
-                                          self.monitor.event, rank_info.rank, self.heartbeat, closing)  # fmt: skip
+        self.compiled = features.compiled(config.compile, sail.hang_timeout_seconds, backend, self.wrapped_module,
+                                          self.module, self.counters, self.monitor.event, rank_info.rank,
+                                          self.heartbeat, closing)  # fmt: skip
         overflows = features.Overflows(lambda: self.loss_scale)
-        stragglers = features.straggler_watch(config, rank_info, self.module, self.device, backend, closing)
+        stragglers = features.straggler_watch(sail, rank_info, self.module, self.device, backend, closing)
         replica_env = ReplicaEnv.from_env()
         group = replica_env.group if replica_env is not None else None
-        self.ledger = features.ledger(config, rank_info, backend, self.log_dir, replica_env, self.counters,
+        self.ledger = features.ledger(sail, rank_info, backend, self.log_dir, replica_env, self.counters,
                                       closing)  # fmt: skip
         for feature, on in ((self.heartbeat, not isinstance(self.heartbeat, NoHeartbeat)),
                             (self.monitor, self.monitor.enabled), (self.snn, self.snn.active),
@@ -269,7 +271,7 @@ class Engine(DeepSpeedNames):
     @functools.cached_property
     def log_dir(self) -> Path:
         """The run's directory (``sail.log_dir``; ``features.run_directory`` says where by default)."""
-        return features.run_directory(self.config)
+        return features.run_directory(self.config.sail)
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
         """The script's own scalars (``{"val/accuracy": 0.93}``; numbers or one-element tensors) at

@@ -1,6 +1,7 @@
 """Where the engine's optional features are made from the config, each with what closes it: the hang
 watch's heartbeat, the monitor and its trackers, the straggler breakdown, fp16's overflow warning,
-torch.compile's recompilation watch.
+torch.compile's recompilation watch. Each is given its own section (``sail``, ``compile``); the
+monitor the whole config, whose batch sizes and values it reports.
 The engine adds the ones that are on to its step hooks (``engine/hooks.py``) and their closing to
 its close stack."""
 
@@ -20,7 +21,8 @@ import torch.distributed as dist
 
 from spikingsail.backends.base import Backend
 from spikingsail.backends.process_group import rank_hosts
-from spikingsail.config.schema import SailConfig
+from spikingsail.config.compiling import CompileConfig
+from spikingsail.config.schema import SailConfig, SailSection
 from spikingsail.engine.compiling import CompileWatch
 from spikingsail.engine.hooks import StepNotes
 from spikingsail.engine.state import StepCounters
@@ -51,10 +53,9 @@ class Overflows:
             )
 
 
-def run_directory(config: SailConfig) -> Path:
+def run_directory(sail: SailSection) -> Path:
     """The run's directory (``sail.log_dir``): with trackers and none set, ``runs/DATE-TIME``; else
     beside the metrics file, or the working directory (where a hang report goes)."""
-    sail = config.sail
     if sail.log_dir is not None:
         return Path(sail.log_dir)
     if sail.trackers:
@@ -63,11 +64,11 @@ def run_directory(config: SailConfig) -> Path:
 
 
 def hang_watch(
-    config: SailConfig, rank_info: RankInfo, counters: StepCounters, log_dir: Path, closing: ExitStack
+    sail: SailSection, rank_info: RankInfo, counters: StepCounters, log_dir: Path, closing: ExitStack
 ) -> Heartbeat | NoHeartbeat:
     """This rank's progress records and its node's hang watch (``sail.hang_timeout_seconds``);
     ``NoHeartbeat`` when off (a single process, or a timeout of 0). Collective when on."""
-    sail, world_size = config.sail, rank_info.world_size
+    world_size = rank_info.world_size
     if not (sail.hang_timeout_seconds and world_size > 1 and dist.is_initialized()):
         return NoHeartbeat()
     if sail.hang_timeout_seconds >= 60 * sail.timeout_minutes and rank_info.is_rank_zero:
@@ -112,13 +113,13 @@ def monitor(config: SailConfig, rank_info: RankInfo, log_dir: Path, closing: Exi
 
 
 def ledger(
-    config: SailConfig, rank_info: RankInfo, backend: Backend, log_dir: Path, replica_env: ReplicaEnv | None,
+    sail: SailSection, rank_info: RankInfo, backend: Backend, log_dir: Path, replica_env: ReplicaEnv | None,
     counters: StepCounters, closing: ExitStack,
 ) -> SampleLedger | None:  # fmt: skip
     """This process's sample ledger (``sail.ledger``; None when off). Collective when on: the ranks
     agree on the attempt's id. With replica groups the header names the group and the job (a digest
     of the job's secret: torchft's quorum ids count from 1 again in every job)."""
-    if not config.sail.ledger:
+    if not sail.ledger:
         return None
     distributed = rank_info.world_size > 1 and dist.is_initialized()
     attempt = attempt_id(backend.all_reduce_sum if distributed else None, rank_info.rank)
@@ -134,11 +135,10 @@ def ledger(
 
 
 def straggler_watch(
-    config: SailConfig, rank_info: RankInfo, model: torch.nn.Module, device: torch.device, backend: Backend,
+    sail: SailSection, rank_info: RankInfo, model: torch.nn.Module, device: torch.device, backend: Backend,
     closing: ExitStack,
 ) -> StragglerWatch | None:  # fmt: skip
     """The step-time breakdown of ``sail.straggler_window`` (None when off, or for a single process)."""
-    sail = config.sail
     if not (sail.straggler_window and rank_info.world_size > 1 and dist.is_initialized()):
         return None
     watch = StragglerWatch(
@@ -151,17 +151,17 @@ def straggler_watch(
 
 
 def compiled(
-    config: SailConfig, backend: Backend, wrapped: torch.nn.Module, model: torch.nn.Module,
+    settings: CompileConfig, hang_timeout: float, backend: Backend, wrapped: torch.nn.Module, model: torch.nn.Module,
     counters: StepCounters, report: Callable[[str, str, int], None], rank: int,
     beat: Heartbeat | NoHeartbeat, closing: ExitStack,
 ) -> CompileWatch | None:  # fmt: skip
     """torch.compile as the ``compile`` section says, and the watch of its recompilations (None when
-    off), which keeps the hang watch's record beating while dynamo compiles. Dynamo compiles at the
-    first forward."""
-    if not config.compile.enabled:
+    off), which keeps the hang watch's record beating while dynamo compiles (it reports every tenth
+    of ``hang_timeout``, ``sail.hang_timeout_seconds``). Dynamo compiles at the first forward."""
+    if not settings.enabled:
         return None
     pulse = beat.pulse if isinstance(beat, Heartbeat) else None
-    watch = CompileWatch(counters, report, rank, pulse, max(0.5, config.sail.hang_timeout_seconds / 10))
+    watch = CompileWatch(counters, report, rank, pulse, max(0.5, hang_timeout / 10))
     closing.callback(watch.close)
-    backend.compile(wrapped, model, config.compile)
+    backend.compile(wrapped, model, settings)
     return watch

@@ -188,7 +188,7 @@ class DeepSpeedNames:
             kwargs=section.kwargs if compile_kwargs is None else dict(compile_kwargs),
         )
         self.compiled = features.compiled(
-            dataclasses.replace(self.config, compile=settings), self.backend, self.wrapped_module, self.module,
+            settings, self.config.sail.hang_timeout_seconds, self.backend, self.wrapped_module, self.module,
             self.counters, self.monitor.event, self.rank_info.rank, self.heartbeat, self._closing,
         )  # fmt: skip
 

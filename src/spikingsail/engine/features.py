@@ -156,8 +156,9 @@ def compiled(
     beat: Heartbeat | NoHeartbeat, closing: ExitStack,
 ) -> CompileWatch | None:  # fmt: skip
     """torch.compile as the ``compile`` section says, and the watch of its recompilations (None when
-    off), which keeps the hang watch's record beating while dynamo compiles (it reports every tenth
-    of ``hang_timeout``, ``sail.hang_timeout_seconds``). Dynamo compiles at the first forward."""
+    off), which keeps the hang watch's record beating while dynamo compiles: a pulse every tenth of
+    ``hang_timeout`` (``sail.hang_timeout_seconds``), 0.5 s apart at least. Dynamo compiles at the
+    first forward."""
     if not settings.enabled:
         return None
     pulse = beat.pulse if isinstance(beat, Heartbeat) else None

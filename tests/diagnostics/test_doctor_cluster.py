@@ -317,7 +317,8 @@ def test_fewer_cores_than_slots_warns_and_gets_a_smaller_balance_weight(
     cluster: NamespaceCluster, node2: Restart, tmp_path: Path
 ) -> None:
     """node2 has one usable core and two slots, node1 two cores and one slot: node2 is oversubscribed,
-    and its ranks get a quarter of node1's core per process (one doctor run checks both)."""
+    and each of its ranks gets half a core against node1's rank's two, a weight of 1 to 4 (one doctor
+    run checks both)."""
     node2(prelude="taskset -p -c 0 $$ >/dev/null")  # node2's processes get one core, node1's two
     code, report, _ = doctor(cluster, tmp_path, hostfile="node1 slots=1\nnode2 slots=2\n")
     (slots,) = findings(report, "slots", "node2")

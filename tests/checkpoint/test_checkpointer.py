@@ -15,6 +15,7 @@ import torch
 
 from spikingsail.backends import backend_class, load_config
 from spikingsail.checkpoint.checkpointer import Checkpointer
+from spikingsail.checkpoint.compatibility import as_saved
 from spikingsail.checkpoint.engine_state import TrainingState
 from spikingsail.checkpoint.preemption import PREEMPTED_EXIT_CODE
 from spikingsail.checkpoint.store import CheckpointStore
@@ -49,7 +50,8 @@ class Job:
 
     def state(self, with_optimizer: bool) -> TrainingState:
         return TrainingState(module=self.model, optimizer=self.optimizer if with_optimizer else None,
-                             backend=self.backend, config=self.config, rank_info=self.rank_info,
+                             backend=self.backend, config=as_saved(self.config),
+                             keep_last=self.config.checkpoint.keep_last, rank_info=self.rank_info,
                              device=self.device, states={"counters": self.counters})  # fmt: skip
 
     def close_job(self) -> None:

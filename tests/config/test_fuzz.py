@@ -231,7 +231,7 @@ def prepare_and_step(raw: dict[str, Any]) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     else:
         optimizer = build_optimizer(config.optimizer, model.parameters(), config.source)
-    precision = select_precision(config, torch.device("cpu"))
+    precision = select_precision(config.fp16, config.bf16, torch.device("cpu"))
     scheduler = build_scheduler(config.scheduler, optimizer, config.source) if config.scheduler else None
     with precision.autocast():  # an elementwise loss: a matmul under CPU autocast is slow
         loss = (model.weight.float() * 2).pow(2).sum() + model.bias.float().sum()

@@ -111,7 +111,7 @@ def test_whole_floats_count_as_integers_as_in_deepspeed() -> None:
 
 def test_the_largest_loss_scale_power_scales_a_float32_loss() -> None:
     config = load_config({**MICRO, "fp16": {"enabled": True, "initial_scale_power": 127}}, 1)
-    precision = select_precision(config, torch.device("cpu"))
+    precision = select_precision(config.fp16, config.bf16, torch.device("cpu"))
     assert precision.loss_scale == 2.0**127
     assert torch.isfinite(precision.scale_loss(torch.ones((), dtype=torch.float32))).item()
 

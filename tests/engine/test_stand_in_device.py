@@ -253,7 +253,7 @@ def _join_with(device_type: str) -> str:
     config = load_config({"train_micro_batch_size_per_gpu": 1}, world_size=info.world_size)
     device = torch.device(device_type, 0) if info.rank == 1 else torch.device("cpu")
     try:
-        process_group.join_process_group(config, info, device)
+        process_group.join_process_group(config.sail, config.source, info, device)
     except BackendError as err:
         return str(err)
     process_group.leave_process_group()

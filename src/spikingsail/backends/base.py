@@ -135,7 +135,7 @@ class Backend(ABC):
     def select_precision(self) -> Precision:
         """Choose (after ``setup``, on its device) and keep the precision this backend trains with:
         the config's fp16 loss scaling or bf16/fp16 autocast."""
-        self.precision = select_precision(self.config, self.device)
+        self.precision = select_precision(self.config.fp16, self.config.bf16, self.device)
         return self.precision
 
     def setup_module_and_optimizer(

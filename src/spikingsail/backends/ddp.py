@@ -11,7 +11,6 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -96,17 +95,6 @@ class DDPBackend(ProcessGroupBackend):
     # ZeRO-1: each rank writes and reads the optimizer state of its own share of the parameters
     # (one key per parameter, so the union is the whole optimizer, loadable by any backend).
 
-    def save_state(
-        self,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        directory: Path,
-        group: dist.ProcessGroup | None,
-        background: bool,
-    ) -> Future[Any] | None:
-        # rank 0's buffers go into the checkpoint (state_to_save)
-        return super().save_state(module, self._local(optimizer), directory, group, background)
-
     def load_state(
         self,
         module: torch.nn.Module,
@@ -136,6 +124,7 @@ class DDPBackend(ProcessGroupBackend):
             self._diverged = True
 
     def state_to_save(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        optimizer = self._local(optimizer)
         if not self.rank_buffers:
             return super().state_to_save(module, optimizer)
         # rank 0's statistics in the checkpoint (DCP writes one rank's copy of a replicated tensor),

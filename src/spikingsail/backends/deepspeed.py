@@ -159,7 +159,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
             # DeepSpeed always works on a process group; one process gets a group of one.
             timeout = datetime.timedelta(minutes=self.config.sail.timeout_minutes)
             store = rendezvous_store(self.rank_info, timeout)
-            init_default_group(dist_backend_for(self.config, device), timeout, store,
+            init_default_group(dist_backend_for(self.config.sail, self.config.source, device), timeout, store,
                                rank_info=self.rank_info, device=device)  # fmt: skip
             self._owns_group = True
         return device

@@ -185,7 +185,9 @@ class HorovodBackend(Backend):
                 else:
                     # torchrun, srun, mpirun without Horovod's MPI: torch.distributed first, then
                     # Horovod's Gloo through it
-                    self._owns_group = join_process_group(self.config, self.rank_info, self.device)
+                    self._owns_group = join_process_group(
+                        self.config.sail, self.config.source, self.rank_info, self.device
+                    )
                     self._rendezvous = _init_through_torch(self.hvd, self.rank_info)
                     self._owns_horovod = True
             self._check_horovod()
@@ -232,7 +234,9 @@ class HorovodBackend(Backend):
         if not self.rank_info.distributed or dist.is_initialized():
             return False
         if not store_agreed_by_horovod(os.environ):
-            return join_process_group(self.config, self.rank_info, self.device)  # MASTER_ADDR/PORT
+            return join_process_group(
+                self.config.sail, self.config.source, self.rank_info, self.device
+            )  # MASTER_ADDR/PORT
         info, hvd = self.rank_info, self.hvd
         timeout = datetime.timedelta(minutes=self.config.sail.timeout_minutes)
         store = None
@@ -250,7 +254,7 @@ class HorovodBackend(Backend):
                 store = TCPStore(
                     host, int(port), world_size=info.world_size, is_master=False, timeout=timeout
                 )
-            backend = dist_backend_for(self.config, self.device)
+            backend = dist_backend_for(self.config.sail, self.config.source, self.device)
             prefixed = PrefixStore("spikingsail/horovod", store)
             init_default_group(backend, timeout, prefixed, rank_info=info, device=self.device)
         except (RuntimeError, ValueError) as err:

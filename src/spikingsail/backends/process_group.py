@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed import HashStore, PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # public, not re-exported in stubs
 
 from spikingsail.backends.base import Backend
-from spikingsail.config.schema import SailConfig
+from spikingsail.config.schema import SailConfig, SailSection
 from spikingsail.environments import RankInfo, RankSource
 from spikingsail.errors import BackendError, first_line
 
@@ -69,32 +69,34 @@ def nvidia_gpus() -> int:
         return 0
 
 
-def dist_backend_for(config: SailConfig, device: torch.device) -> str:
-    wanted = config.sail.dist_backend
+def dist_backend_for(sail: SailSection, source: str, device: torch.device) -> str:
+    """``sail.dist_backend`` on ``device`` (``source``: the config, named in the error)."""
+    wanted = sail.dist_backend
     if wanted == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
     if wanted == "nccl" and device.type != "cuda":
         raise BackendError(
-            f"{config.source}: sail.dist_backend is nccl but no GPU is visible",
+            f"{source}: sail.dist_backend is nccl but no GPU is visible",
             "NCCL only moves tensors between GPUs",
             "use dist_backend auto or gloo on CPU machines",
         )
     return wanted
 
 
-def join_process_group(config: SailConfig, rank_info: RankInfo, device: torch.device) -> bool:
-    """Create the default group; False when it already existed (created by the user) or is not needed."""
+def join_process_group(sail: SailSection, source: str, rank_info: RankInfo, device: torch.device) -> bool:
+    """Create the default group (``sail``'s dist backend and timeout; ``source``: the config, named in
+    errors); False when it already existed (created by the user) or is not needed."""
     if not rank_info.distributed or dist.is_initialized():
         return False
     if rank_info.source is RankSource.HOROVOD and "MASTER_ADDR" not in os.environ:
         raise BackendError(
-            f"{config.source}: backend {config.sail.backend} was started by plain horovodrun",
+            f"{source}: backend {sail.backend} was started by plain horovodrun",
             "horovodrun's rendezvous serves Horovod only; torch.distributed needs MASTER_ADDR and MASTER_PORT",
             'launch with `sail launch --launcher horovodrun` (it exports both), export them, or set "sail": '
             '{"backend": "horovod"}',
         )
-    backend = dist_backend_for(config, device)
-    timeout = datetime.timedelta(minutes=config.sail.timeout_minutes)
+    backend = dist_backend_for(sail, source, device)
+    timeout = datetime.timedelta(minutes=sail.timeout_minutes)
     log.debug("joining %s process group at %s as rank %d", backend, rank_info.init_method(), rank_info.rank)
     store = rendezvous_store(rank_info, timeout)
     _agree_on_backend(store, rank_info, backend, device)
@@ -221,7 +223,9 @@ class ProcessGroupBackend(Backend):
 
     def setup(self) -> torch.device:
         self.device = select_device(self.rank_info)
-        self._owns_group = join_process_group(self.config, self.rank_info, self.device)
+        self._owns_group = join_process_group(
+            self.config.sail, self.config.source, self.rank_info, self.device
+        )
         return self.device
 
     def teardown(self) -> None:

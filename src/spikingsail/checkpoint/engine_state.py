@@ -30,11 +30,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from spikingsail.checkpoint.compatibility import as_saved, check_resumable
+from spikingsail.checkpoint.compatibility import check_resumable
 from spikingsail.checkpoint.faults import FULL_BYTES, Failure, estimate_bytes, free_bytes, save_error
 from spikingsail.checkpoint.lock import fence
 from spikingsail.checkpoint.store import CheckpointStore, seal
-from spikingsail.config.schema import SailConfig
 from spikingsail.environments import RankInfo
 from spikingsail.errors import CheckpointError
 
@@ -102,7 +101,10 @@ class TrainingState:
     optimizer: torch.optim.Optimizer | None
     """None on load: the weights without the optimizer's state."""
     backend: StateBackend
-    config: SailConfig
+    config: dict[str, Any]
+    """The run's config as a checkpoint records it (``compatibility.as_saved``), which a resume compares."""
+    keep_last: int
+    """How many of the newest good checkpoints a save keeps (``checkpoint.keep_last``; 0: all)."""
     rank_info: RankInfo
     device: torch.device
     states: Mapping[str, Stateful]
@@ -246,7 +248,7 @@ class _Saving:
             if rank == 0:
                 fence(self.store.root)  # a job whose directory lock was taken while it wrote commits nothing
                 self.store.commit(self.tag, metadata, sealed)
-                self.store.prune(self.training.config.checkpoint.keep_last)
+                self.store.prune(self.training.keep_last)
 
         self.agree(put_in_place)
 
@@ -316,7 +318,7 @@ def load(
     saved_world = int(saved["world_size"])
     rank, world_size = training.rank_info.rank, training.rank_info.world_size
     partial_window = bool(saved["micro_steps"] % saved["gradient_accumulation_steps"])
-    current = as_saved(training.config)
+    current = training.config
     saved_config = json.loads(saved["config"]) if "config" in saved else {}
     check_resumable(path, saved_config, current, partial_window=partial_window,
                     with_optimizer=training.optimizer is not None)  # fmt: skip
@@ -434,7 +436,7 @@ def _engine_file(
         "world_size": training.rank_info.world_size,
         "backend": training.backend.name,
         "state_format": training.backend.checkpoint_format,
-        "config": json.dumps(as_saved(training.config)),
+        "config": json.dumps(training.config),
         "client_state": client_state,
     }
 

@@ -384,15 +384,16 @@ def section_class(hint: Any, *, required: bool = True) -> Any:
     return None
 
 
-def summary(config: SailConfig, optimizer: Any = None, lr_scheduler: Any = None) -> str:
+def summary(config: SailConfig, optimizer: str | None = None, lr_scheduler: str | None = None) -> str:
     """An aligned dump of the settings that shape a run, logged once at start; ``optimizer`` and
-    ``lr_scheduler`` are the ones passed to the engine, which take the place of the config's."""
+    ``lr_scheduler`` name the types of the ones passed to the engine, which take the place of the
+    config's."""
 
-    def source(given: Any, section: OptimizerConfig | SchedulerConfig | None, default: str) -> str:
+    def source(given: str | None, section: OptimizerConfig | SchedulerConfig | None, default: str) -> str:
         if given is None:
             return section.type if section else default
         ignored = f" (the config's {section.type} is ignored)" if section else ""
-        return f"{type(given).__name__}, passed to the engine{ignored}"
+        return f"{given}, passed to the engine{ignored}"
 
     precision = "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else "fp32"
     rows = {

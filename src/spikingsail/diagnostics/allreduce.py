@@ -38,7 +38,7 @@ def main() -> int:
             {"train_micro_batch_size_per_gpu": 1, "sail": {"timeout_minutes": 1}}, info.world_size
         )
         device = select_device(info)
-        join_process_group(config, info, device)
+        join_process_group(config.sail, config.source, info, device)
     except SailError as err:
         print(f"sail doctor: {err}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 
 from spikingsail.backends.base import Backend
 from spikingsail.checkpoint.checkpointer import Checkpointer
+from spikingsail.checkpoint.compatibility import as_saved
 from spikingsail.checkpoint.engine_state import TrainingState, merged_state_dict
 from spikingsail.config.schema import SailConfig
 from spikingsail.data.loader import ShardedLoader
@@ -36,6 +37,7 @@ from spikingsail.engine.replicas import ReplicaEnv, ReplicaGroups
 from spikingsail.engine.setup import (
     check_optimizer_source,
     keep_neuron_state_per_rank,
+    passed,
     seed_everything,
     use_deterministic_algorithms,
 )
@@ -76,7 +78,8 @@ class Engine(DeepSpeedNames):
         lr_scheduler: LRScheduler | None = None,
     ) -> None:
         self.config, self.rank_info, self.backend = config, rank_info, backend
-        check_optimizer_source(config, optimizer, lr_scheduler)
+        given = passed(optimizer), passed(lr_scheduler)
+        check_optimizer_source(config.optimizer, config.scheduler, config.source, given)
         if config.sail.seed is not None:
             seed_everything(config.sail.seed)
         if config.sail.deterministic:
@@ -399,7 +402,8 @@ class Engine(DeepSpeedNames):
     def _training_state(self, with_optimizer: bool = True) -> TrainingState:
         optimizer = self.optimizer if with_optimizer else None
         states = self.state_parts(with_optimizer=with_optimizer)
-        return TrainingState(module=self.module, optimizer=optimizer, backend=self.backend, config=self.config,
+        return TrainingState(module=self.module, optimizer=optimizer, backend=self.backend,
+                             config=as_saved(self.config), keep_last=self.config.checkpoint.keep_last,
                              rank_info=self.rank_info, device=self.device, states=states)  # fmt: skip
 
     # -- spiking networks ------------------------------------------------------------------------

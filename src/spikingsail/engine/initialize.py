@@ -29,6 +29,7 @@ from spikingsail.config.schema import SailConfig, summary
 from spikingsail.config.zero import offloads
 from spikingsail.engine.engine import Engine, LRScheduler
 from spikingsail.engine.replicas import ReplicaEnv, check_supported
+from spikingsail.engine.setup import passed
 from spikingsail.environments import RankInfo, discover_rank_info
 from spikingsail.errors import ConfigError
 from spikingsail.monitor.logs import ensure_logging, report_sail_errors
@@ -164,7 +165,9 @@ def initialize(
     backend_cls = backend_class(sail_config.sail.backend, sail_config.source)
     if rank_info.is_rank_zero:
         log.info(
-            "SpikingSail config (%s):\n%s", rank_info.source, summary(sail_config, optimizer, lr_scheduler)
+            "SpikingSail config (%s):\n%s",
+            rank_info.source,
+            summary(sail_config, passed(optimizer), passed(lr_scheduler)),
         )
         _report_unused(sail_config, backend_cls)
     # on every rank; before the backend starts (DeepSpeed's own batch checks would speak first)

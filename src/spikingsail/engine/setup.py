@@ -6,40 +6,48 @@ from __future__ import annotations
 import logging
 import os
 import random
-from typing import Any
 
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from spikingsail.config.schema import SailConfig
+from spikingsail.config.schema import OptimizerConfig, SchedulerConfig
 from spikingsail.errors import ConfigError
 from spikingsail.snn.support import SpikingSupport
 
 log = logging.getLogger(__name__)
 
 
+def passed(part: object) -> str | None:
+    """The type name of an optimizer or scheduler passed to the engine (None when none was)."""
+    return None if part is None else type(part).__name__
+
+
 def check_optimizer_source(
-    config: SailConfig, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None
-) -> None:
-    if optimizer is None and config.optimizer is None:
+    optimizer: OptimizerConfig | None, scheduler: SchedulerConfig | None, source: str,
+    given: tuple[str | None, str | None],
+) -> None:  # fmt: skip
+    """The config's ``optimizer`` and ``scheduler`` sections against the ones ``given`` to the engine
+    (their type names, None where none was: ``passed``): one optimizer is needed; a given one wins."""
+    passed_optimizer, passed_scheduler = given
+    if passed_optimizer is None and optimizer is None:
         raise ConfigError(
-            f"{config.source}: no optimizer",
+            f"{source}: no optimizer",
             "the engine steps an optimizer, and neither the call nor the config provides one",
             'pass optimizer= to SpikingSail/initialize, or add "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}',
         )
-    if optimizer is not None and config.optimizer is not None:
+    if passed_optimizer is not None and optimizer is not None:
         log.warning(
             "%s: the optimizer passed to the engine is used; the config's optimizer section (%s) is ignored",
-            config.source,
-            config.optimizer.type,
+            source,
+            optimizer.type,
         )
-    if lr_scheduler is not None and config.scheduler is not None:
+    if passed_scheduler is not None and scheduler is not None:
         log.warning(
             "%s: the lr_scheduler passed to the engine (%s) is used; the config's scheduler section (%s) is ignored",
-            config.source,
-            type(lr_scheduler).__name__,
-            config.scheduler.type,
+            source,
+            passed_scheduler,
+            scheduler.type,
         )
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from spikingsail.config.schema import FP16Config, SailConfig
+from spikingsail.config.schema import BF16Config, FP16Config
 from spikingsail.errors import BackendError, SailError
 
 
@@ -158,9 +158,10 @@ class FP16Precision(Precision):
         self.last_overflow = int(state["last_overflow"])
 
 
-def select_precision(config: SailConfig, device: torch.device) -> Precision:
-    if config.fp16.enabled:
-        return FP16Precision(device, config.fp16)
-    if config.bf16.enabled:
+def select_precision(fp16: FP16Config, bf16: BF16Config, device: torch.device) -> Precision:
+    """fp16 loss scaling, bf16 autocast, or neither (the config's two sections; fp16 first)."""
+    if fp16.enabled:
+        return FP16Precision(device, fp16)
+    if bf16.enabled:
         return BF16Precision(device)
     return Precision(device)

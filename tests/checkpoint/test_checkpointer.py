@@ -39,6 +39,7 @@ class Job:
         torch.manual_seed(0)
         self.model = torch.nn.Linear(3, 2)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.backend.setup_module_and_optimizer(self.model, self.optimizer, None)  # as the engine does
         self.counters = StepCounters(accumulation=1)
         self.reports: list[tuple[str, str, int]] = []
         self.closed = 0

@@ -119,6 +119,9 @@ class Backend(ABC):
         """True where each rank keeps its own buffers between the points that make them rank 0's
         (DDP without a broadcast at every forward): a checkpoint then also holds each rank's own
         (``rank_buffers/rankR.pt``), and a resume on as many ranks gives each rank its own back."""
+        self.trained: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None
+        """The model and the optimizer that ``setup_module_and_optimizer`` set up: the state that
+        ``save_state`` writes and ``load_state`` reads."""
 
     @abstractmethod
     def setup(self) -> torch.device:
@@ -148,6 +151,7 @@ class Backend(ABC):
             assert config.optimizer is not None  # the engine checked that one of them is given
             optimizer = build_optimizer(config.optimizer, model.parameters(), config.source)
         wrapped, stepped = self.wrap(model, optimizer)
+        self.trained = model, stepped
         if lr_scheduler is not None and stepped is not optimizer:
             rebind_scheduler(lr_scheduler, optimizer, stepped, self.name)
         if lr_scheduler is None and config.scheduler is not None:
@@ -233,13 +237,18 @@ class Backend(ABC):
         """Raise ``CheckpointError`` before anything is read when this backend cannot resume a
         checkpoint that ``saved_world_size`` processes wrote."""
 
+    def checkpointed(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """The model and optimizer whose state ``save_state`` writes and ``load_state`` reads: those
+        ``setup_module_and_optimizer`` set up (a backend whose optimizer wraps the one that holds
+        the state gives the inner one)."""
+        if self.trained is None:
+            raise RuntimeError(
+                f"backend {self.name}: model and optimizer state before setup_module_and_optimizer"
+            )
+        return self.trained
+
     def save_state(
-        self,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        directory: Path,
-        group: dist.ProcessGroup | None,
-        background: bool,
+        self, directory: Path, group: dist.ProcessGroup | None, background: bool
     ) -> Future[Any] | None:
         """Write model and optimizer state into ``directory`` (collective). In the background,
         return a future that completes when the files are written; otherwise None.
@@ -252,14 +261,15 @@ class Backend(ABC):
         with ``rank_buffers`` puts rank 0's into the state instead and leaves each rank its own."""
         from spikingsail.checkpoint import dcp_io  # imported when first used: it takes a second
 
-        state = self.state_to_save(module, optimizer)
+        state = self.state_to_save()
         if background:
             return dcp_io.async_save(state, directory, group)
         dcp_io.save(state, directory, group)
         return None
 
-    def state_to_save(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def state_to_save(self) -> dict[str, Any]:
         """The state DCP writes, every rank's buffers made rank 0's first (collective)."""
+        module, optimizer = self.checkpointed()
         if dist.is_initialized() and dist.get_world_size() > 1:
             with torch.no_grad():
                 for buffer in persistent_buffers(module):
@@ -268,17 +278,12 @@ class Backend(ABC):
 
         return dcp_io.state_to_save(module, optimizer)
 
-    def load_state(
-        self,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        directory: Path,
-        group: dist.ProcessGroup | None,
-    ) -> None:
-        """Read what ``save_state`` wrote (collective); ``optimizer`` None loads weights only."""
+    def load_state(self, directory: Path, group: dist.ProcessGroup | None, *, with_optimizer: bool) -> None:
+        """Read what ``save_state`` wrote (collective); without the optimizer: the weights only."""
         from spikingsail.checkpoint import dcp_io
 
-        dcp_io.load(module, optimizer, directory, group)
+        module, optimizer = self.checkpointed()
+        dcp_io.load(module, optimizer if with_optimizer else None, directory, group)
 
     def consolidated_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state dict in fp32 where it trains in fp32 (collective: every rank calls

@@ -95,19 +95,19 @@ class DDPBackend(ProcessGroupBackend):
     # ZeRO-1: each rank writes and reads the optimizer state of its own share of the parameters
     # (one key per parameter, so the union is the whole optimizer, loadable by any backend).
 
-    def load_state(
-        self,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        directory: Path,
-        group: dist.ProcessGroup | None,
-    ) -> None:
-        if optimizer is None:
-            super().load_state(module, None, directory, group)
+    def checkpointed(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        module, optimizer = super().checkpointed()
+        if self.zero is not None and optimizer is self.zero:
+            local: torch.optim.Optimizer = self.zero.optim
+            return module, local
+        return module, optimizer
+
+    def load_state(self, directory: Path, group: dist.ProcessGroup | None, *, with_optimizer: bool) -> None:
+        if not with_optimizer:
+            super().load_state(directory, group, with_optimizer=False)
             return
-        local = self._local(optimizer)
-        with _without_empty_groups(local):
-            super().load_state(module, local, directory, group)
+        with _without_empty_groups(self.checkpointed()[1]):
+            super().load_state(directory, group, with_optimizer=True)
         self._diverged = True  # the checkpoint's own statistics of each rank follow
 
     def _rank_zero_statistics_for_eval(self, module: torch.nn.Module, args: Any) -> None:
@@ -123,14 +123,14 @@ class DDPBackend(ProcessGroupBackend):
         if any(norm.training for norm in self._norms):
             self._diverged = True
 
-    def state_to_save(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        optimizer = self._local(optimizer)
+    def state_to_save(self) -> dict[str, Any]:
         if not self.rank_buffers:
-            return super().state_to_save(module, optimizer)
+            return super().state_to_save()
         # rank 0's statistics in the checkpoint (DCP writes one rank's copy of a replicated tensor),
         # each rank's own left in place: a save changes nothing in the run (each rank's are saved too)
         from spikingsail.checkpoint import dcp_io
 
+        module, optimizer = self.checkpointed()
         state = dcp_io.state_to_save(module, optimizer)
         buffers = {buffer.data_ptr() for buffer in module.buffers()}
         with torch.no_grad():
@@ -140,12 +140,6 @@ class DDPBackend(ProcessGroupBackend):
                     dist.broadcast(rank_zeros, src=0)
                     state["model"][name] = rank_zeros
         return state
-
-    def _local(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        if self.zero is not None and optimizer is self.zero:
-            local: torch.optim.Optimizer = self.zero.optim
-            return local
-        return optimizer
 
     def teardown(self) -> None:
         if self.zero is not None:

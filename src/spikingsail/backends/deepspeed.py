@@ -204,6 +204,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
             raise initialize_error(config.source, err, self.device) from err
         engine.checkpoint_engine = _safe_checkpoint_engine(engine)
         self.ds = engine
+        self.trained = model, ds_optimizer
         log.info(
             "DeepSpeed %s: ZeRO stage %d, optimizer %s",
             self.deepspeed.__version__,
@@ -322,12 +323,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
             )
 
     def save_state(
-        self,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        directory: Path,
-        group: dist.ProcessGroup | None,
-        background: bool,
+        self, directory: Path, group: dist.ProcessGroup | None, background: bool
     ) -> Future[Any] | None:
         if background:
             log.warning("the deepspeed backend writes checkpoints synchronously; async_save is ignored")
@@ -341,20 +337,14 @@ class DeepSpeedBackend(ProcessGroupBackend):
             raise
         return None
 
-    def load_state(
-        self,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        directory: Path,
-        group: dist.ProcessGroup | None,
-    ) -> None:
+    def load_state(self, directory: Path, group: dist.ProcessGroup | None, *, with_optimizer: bool) -> None:
         try:
             path, _ = self.ds.load_checkpoint(
                 str(directory),
                 tag=STATE_TAG,
-                load_optimizer_states=optimizer is not None,
-                load_lr_scheduler_states=optimizer is not None,
-                load_module_only=optimizer is None,
+                load_optimizer_states=with_optimizer,
+                load_lr_scheduler_states=with_optimizer,
+                load_module_only=not with_optimizer,
             )
         except CheckpointError:
             raise

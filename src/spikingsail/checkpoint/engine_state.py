@@ -70,21 +70,12 @@ class StateBackend(Protocol):
     def check_can_load(self, directory: Path, saved_world_size: int) -> None: ...
 
     def save_state(
-        self,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        directory: Path,
-        group: dist.ProcessGroup | None,
-        background: bool,
-    ) -> Future[Any] | None: ...
+        self, directory: Path, group: dist.ProcessGroup | None, background: bool
+    ) -> Future[Any] | None:
+        """Write the state of the model and optimizer the backend set up into ``directory`` (collective)."""
 
-    def load_state(
-        self,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        directory: Path,
-        group: dist.ProcessGroup | None,
-    ) -> None: ...
+    def load_state(self, directory: Path, group: dist.ProcessGroup | None, *, with_optimizer: bool) -> None:
+        """Read it back (collective); without the optimizer: the weights only."""
 
     def own_state_files(self, directory: Path, rank: int) -> list[Path]: ...
 
@@ -165,7 +156,6 @@ def save(
     _check_client_state(client_state, "client_state")
     if training.optimizer is None:
         raise ValueError("a checkpoint saves the optimizer's state: TrainingState.optimizer is None")
-    optimizer = training.optimizer
     entries = merged_state_dict(training.states)
     tag = tag or f"global_step{entries['global_steps']}"
     mid_window = bool(entries["micro_steps"] % entries["gradient_accumulation_steps"])
@@ -181,9 +171,7 @@ def save(
             lambda: _write_own_files(training, staging, entries, client_state, mid_window=mid_window)
         )
         upload = saving.agree(
-            lambda: training.backend.save_state(
-                training.module, optimizer, staging / STATE_DIR, writer_group or group, background
-            )
+            lambda: training.backend.save_state(staging / STATE_DIR, writer_group or group, background)
         )
         if upload is None:
             saving.commit(metadata)
@@ -323,7 +311,7 @@ def load(
     check_resumable(path, saved_config, current, partial_window=partial_window,
                     with_optimizer=training.optimizer is not None)  # fmt: skip
     training.backend.check_can_load(path, saved_world)
-    training.backend.load_state(training.module, training.optimizer, path / STATE_DIR, group)
+    training.backend.load_state(path / STATE_DIR, group, with_optimizer=training.optimizer is not None)
     for stateful in training.states.values():
         stateful.load_state_dict(saved)
     if saved_world == world_size:
@@ -349,7 +337,7 @@ def load_weights(
     """Collective: the weights alone, for a new run that starts from them (no counters, optimizer,
     scheduler, data position or config check). Returns (checkpoint directory, client_state)."""
     path, saved = _choose(training, load_dir, tag)
-    training.backend.load_state(training.module, None, path / STATE_DIR, group)
+    training.backend.load_state(path / STATE_DIR, group, with_optimizer=False)
     _barrier()
     return path, dict(saved["client_state"])
 

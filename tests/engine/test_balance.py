@@ -4,11 +4,12 @@ The cgroup v1 ``cpu`` controller caps the whole process (every thread) at a shar
 rank 1 computes slower than rank 0 the way an older GPU would. Each rank also times the model on
 its own before training (``standalone``), under the same conditions.
 
-The quota is 20% of a core. A quota is not the constant slowdown of a slower GPU: what it costs
+The quota is 10% of a core. A quota is not the constant slowdown of a slower GPU: what it costs
 a process depends on how the process's work falls into the 10 ms periods, the throttled rank's side
 of the gradient all-reduce included (which ``auto`` counts as communication, not compute). In the
 job rank 1 measures less slow than standalone: 1.7-1.8× against 2.6-3.0× standalone at a 40% quota
-on a 2-core machine (1.47 once, on a busier one), 3.0-4.3× against 5.5-8.9× at 20%. At 40% the
+on a 2-core machine (1.47 once, on a busier one), 3.0-4.3× against 5.5-8.9× at 20%; at 10% 20-23×
+standalone (11× with another process busy on a core), the first split 5-7 : 1. At 40% the
 measured ratio sits too near the 1.5 these tests ask of the split.
 """
 
@@ -40,16 +41,12 @@ STEPS = 30
 
 
 @pytest.fixture
-def slow_group() -> Iterator[Path]:
-    with cpu_quota_group(20) as group:
-        yield group
-
-
-@pytest.fixture
 def slower_group() -> Iterator[Path]:
     """10% of a core: under a quota a rank is measured less slow in the job than alone (it also
     waits in every all-reduce), most with an all-reduce at every step; at 20% the measured split of
-    some cases stayed within 1.5 : 1 on a busy host."""
+    some cases stayed within 1.5 : 1 on a busy host, and the speed-up when the quota is lifted was
+    too small to be told from the noise within 10 steps once in CI (one rank's step times vary by
+    20-45% from step to step there)."""
     with cpu_quota_group(10) as group:
         yield group
 
@@ -111,11 +108,11 @@ def one_process() -> dict[str, torch.Tensor]:
 def auto_run(group: str, metrics: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    if rank == 1:
-        (Path(group) / "cgroup.procs").write_text(str(os.getpid()))
     engine, _ = spikingsail.initialize(
         model=model(), config=config(GLOBAL_MICRO // 2, balance="auto", metrics_path=metrics)
     )
+    if rank == 1:  # throttled from here on: the set-up is not what the test measures
+        (Path(group) / "cgroup.procs").write_text(str(os.getpid()))
     before = standalone(engine.module)
     splits: list[list[int]] = []
     batches = iter(engine.dataloader(data()))
@@ -138,10 +135,10 @@ def ratio(split: list[int]) -> float:
 
 
 def test_auto_follows_the_ranks_speeds_and_still_trains_like_one_process(
-    slow_group: Path, tmp_path: Path
+    slower_group: Path, tmp_path: Path
 ) -> None:
     metrics = tmp_path / "metrics.jsonl"
-    result = run_ranks(auto_run, 2, str(slow_group), str(metrics))[0]
+    result = run_ranks(auto_run, 2, str(slower_group), str(metrics))[0]
     standalone_ratio = result["before"][0] / result["before"][1]
     assert standalone_ratio > 1.8, f"the quota did not slow rank 1 down: {result['before']}"
     splits, changes = result["splits"], result["changes"]
@@ -207,14 +204,14 @@ def case_run(
     """Train ``case`` to ``steps``: balanced on two ranks, or as the reference on one."""
     torch.set_num_threads(1)
     single = os.environ["WORLD_SIZE"] == "1"
-    if group and int(os.environ["RANK"]) == 1:
-        (Path(group) / "cgroup.procs").write_text(str(os.getpid()))
     snn = AUTO_CASES[case][3]
     engine, _ = spikingsail.initialize(
         model=spiking_model() if snn else model(),
         config=case_config(case, GLOBAL_MICRO if single else GLOBAL_MICRO // 2, balance="off" if single else "auto"),
         checkpoints_path=checkpoints, resume=resume,
     )  # fmt: skip
+    if group and int(os.environ["RANK"]) == 1:  # throttled from here on (the set-up runs at full speed)
+        (Path(group) / "cgroup.procs").write_text(str(os.getpid()))
     batches = iter(engine.dataloader(data()))
     splits: list[list[int]] = []
     while engine.global_steps < steps:

@@ -11,10 +11,14 @@ import math
 import random
 from dataclasses import dataclass
 
+import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from spikingsail.data.sampler import split_batch
-from spikingsail.engine.balance import MEASURE_STEPS, WARMUP_STEPS, Balancer
+from spikingsail.engine.balance import MEASURE_STEPS, REBASE_STEPS, WARMUP_STEPS, Balancer
+from spikingsail.engine.timing import SpeedMeasure, Step, cuts
 
 PERIOD = 0.010
 QUOTA = 0.4
@@ -39,6 +43,19 @@ class Rank:
         phase = rng.uniform(0, budget)
         periods = math.floor((compute + phase) / budget)
         return compute + periods * (PERIOD - budget)
+
+
+@dataclass
+class Stalling(Rank):
+    """A rank that stalls for ``stall`` seconds at every ``every``-th step (a loader refilling)."""
+
+    every: int = MEASURE_STEPS
+    stall: float = 0.0
+    steps: int = 0
+
+    def seconds(self, share: int, rng: random.Random) -> float:
+        self.steps += 1
+        return super().seconds(share, rng) + (self.stall if self.steps % self.every == 0 else 0.0)
 
 
 def expected(ranks: list[Rank], split: list[int], draws: int = 400) -> float:
@@ -141,3 +158,32 @@ def test_a_rank_that_speeds_up_inside_the_first_window_at_a_new_split_is_followe
         first, *later = balancer.changes
         assert first["step"] == FIRST and later and later[0]["step"] <= 24, (seed, balancer.changes)
         assert later[0]["split"][1] > 1.5 * first["split"][1], (seed, balancer.changes)
+
+
+def test_a_rank_that_stalls_every_window_does_not_hold_the_first_split_in_its_rebase() -> None:
+    # rank 1 half as fast and stalling once every 8 steps: every window's halves differ by the
+    # stall, never surely; the window slides for at most REBASE_STEPS, then becomes the reference,
+    # and auto goes on to refine and probe (without the bound it slid on forever: one split, never
+    # settled, whatever the stalls cost)
+    for seed in range(20):
+        ranks = [Rank(0.0, 1 / 2000, 0.05), Stalling(0.0, 1 / 1000, 0.05, stall=0.06)]
+        balancer, _ = run(ranks, FIRST + REBASE_STEPS + 120, seed)
+        assert balancer.settled or len(balancer.changes) > 1, (seed, balancer.changes)
+
+
+STEP_ROWS = st.lists(st.tuples(*[st.floats(1e-3, 1.0), st.integers(1, 512)] * 2), min_size=0, max_size=30)
+
+
+@given(STEP_ROWS, st.integers(1, 8))
+def test_cuts_measure_each_side_as_its_own_steps_would(rows: list[tuple[float, ...]], least: int) -> None:
+    steps: list[Step] = [[[c0, float(n0), c0], [c1, float(n1), c1]] for c0, n0, c1, n1 in rows]
+    found = list(cuts(steps, least))
+    places = range(least, len(steps) - least + 1)
+    assert len(found) == len(places)
+    for (before, after), cut in zip(found, places, strict=True):
+        for got, want in (
+            (before, SpeedMeasure.of_steps(steps[:cut])),
+            (after, SpeedMeasure.of_steps(steps[cut:])),
+        ):
+            assert got.speeds == pytest.approx(want.speeds, rel=1e-9)
+            assert got.variances == pytest.approx(want.variances, rel=1e-6, abs=1e-12)

@@ -15,8 +15,9 @@ watching, and moves only on evidence: each speed comes with the variance of its 
 own spread (``timing.SpeedMeasure``), and a difference counts when it passes its threshold by ``Z``
 standard errors. It splits again when a rank's share of the total speed moved by more than
 ``rebalance_factor`` from the reference (the first window measured at the split in use, so that a
-speed that depends on the share does not count as a move; a window whose halves differ by the factor
-holds a change); in the ``REFINE_WINDOWS`` windows after a change, when the steps at the new split
+speed that depends on the share does not count as a move; the steps since the split changed hold a
+change where a cut in two shows the factor, and a window whose halves differ is no reference for up
+to ``REBASE_STEPS`` steps); in the ``REFINE_WINDOWS`` windows after a change, when the steps at the new split
 show the slowest rank's compute more than ``REFINE_TOLERANCE`` longer than even; later, when it is
 ``DRIFT_TOLERANCE`` longer over a window at each of ``DRIFT_STEPS`` steps in a row, or over all the
 steps at this split together. A new split moves each speed one standard error towards the split in
@@ -50,6 +51,7 @@ from spikingsail.engine.timing import (
     SpeedMeasure,
     Step,
     Z,
+    cuts,
     fractions,
     lower_bound,
 )
@@ -69,6 +71,8 @@ by less than ``rebalance_factor`` but costs the step more than this is followed 
 ``REFINE_TOLERANCE`` so that measurement noise does not move the split back and forth."""
 DRIFT_STEPS = MEASURE_STEPS
 """Steps in a row at which the drift check must find the same rank slow before it splits again."""
+REBASE_STEPS = 3 * MEASURE_STEPS
+"""After a change of split, the most steps the reference waits for a window whose halves agree."""
 
 
 def loss_weight(own: int, step: int, world_size: int, accumulation: int) -> float:
@@ -111,6 +115,8 @@ class Balancer:
         self._reference_variances = [0.0] * world_size  # the variances of their logs
         self._rebase = False
         """The split changed: the next window at it becomes the reference."""
+        self._since: list[Step] = []
+        """While ``_rebase``: the steps at the new split, searched for a change of a rank's speed."""
         self._bounds = ShareBounds(global_micro_batch, world_size)
         self._refines = 0
         self.corrections = [1.0] * world_size
@@ -160,6 +166,8 @@ class Balancer:
         if self._probe is not None:
             return self._probe_step(step, both, rank)
         self._window.append(both)
+        if self._rebase:
+            self._since.append(both)
         SpeedMeasure.sums([both], self._steady)
         if len(self._window) < MEASURE_STEPS:
             return None
@@ -170,12 +178,13 @@ class Balancer:
         split in use is uneven (``_refinement``)."""
         measure = SpeedMeasure.of_steps(self._window)
         if self._rebase:  # the first window at a new split: what later windows are compared with,
-            # unless a rank's speed changed within it: its halves differ by the factor
-            steps, half = list(self._window), MEASURE_STEPS // 2
-            later, earlier = SpeedMeasure.of_steps(steps[half:]), SpeedMeasure.of_steps(steps[:half])
-            if self._moved(later, earlier):
+            # unless a rank's speed changed since the split did
+            later = self._changed_since_split()
+            if later is not None:
                 return self._change(step, later, rank, refined=False)
-            if self._moved(later, earlier, z=0.0):
+            steps, half = list(self._window), MEASURE_STEPS // 2
+            halves = SpeedMeasure.of_steps(steps[half:]), SpeedMeasure.of_steps(steps[:half])
+            if len(self._since) < REBASE_STEPS and self._moved(*halves, z=0.0):
                 return None  # perhaps: the window slides on until its halves agree
             self._set_reference(measure)
             self._steady = SpeedMeasure.sums(steps)  # the steps at this split: from the reference on
@@ -183,6 +192,17 @@ class Balancer:
             return self._change(step, measure, rank, refined=False)
         basis = self._refinement(measure)
         return None if basis is None else self._change(step, basis, rank, refined=True)
+
+    def _changed_since_split(self) -> SpeedMeasure | None:
+        """The steps after the likeliest change of a rank's speed since the split changed (at any
+        step with half a window on each side: the longer the runs, the surer), where the steps
+        before and after it differ by the factor with confidence; None where no cut shows that."""
+        best, after = Z, None
+        for before, later in cuts(self._since, MEASURE_STEPS // 2):
+            evidence = self._evidence(later, before)
+            if evidence > best:
+                best, after = evidence, later
+        return after
 
     def _refinement(self, measure: SpeedMeasure) -> SpeedMeasure | None:
         """No rank's speed moved by the factor. Shortly after a change, the steps at the new split
@@ -219,6 +239,7 @@ class Balancer:
         self._reference = fractions(measure.speeds)
         self._reference_variances = measure.fraction_variances()
         self._rebase = False
+        self._since = []
 
     def _change(self, step: int, measure: SpeedMeasure, rank: int, refined: bool) -> dict[str, Any] | None:
         """Split by the measured speeds (corrected by the last probe unless they moved by the factor)."""
@@ -370,6 +391,11 @@ class Balancer:
     def _moved(self, measure: SpeedMeasure, reference: SpeedMeasure | None = None, z: float = Z) -> bool:
         """Whether a rank's share of the total speed moved from the reference (or ``reference``) by
         more than the factor, with confidence (``z`` standard errors of both measurements)."""
+        return self._evidence(measure, reference) > z
+
+    def _evidence(self, measure: SpeedMeasure, reference: SpeedMeasure | None = None) -> float:
+        """By how many standard errors (of both measurements) a rank's share of the total speed moved
+        from the reference (or ``reference``) by more than the factor: the most of any rank's."""
         shares, variances = fractions(measure.speeds), measure.fraction_variances()
         if reference is not None:
             before = fractions(reference.speeds)
@@ -377,11 +403,11 @@ class Balancer:
         else:
             assert self._reference is not None
             before, spreads = self._reference, self._reference_variances
-        limit = math.log(self.rebalance_factor)
-        return any(
-            abs(math.log(f / r)) - z * math.sqrt(v + w) > limit
-            for f, r, v, w in zip(shares, before, variances, spreads, strict=True)
-        )
+        limit, most = math.log(self.rebalance_factor), -math.inf
+        for f, r, v, w in zip(shares, before, variances, spreads, strict=True):
+            excess, error = abs(math.log(f / r)) - limit, math.sqrt(v + w)
+            most = max(most, excess / error if error > 0 else math.inf if excess > 0 else -math.inf)
+        return most
 
     def close(self) -> None:
         """Take the timing hooks off the model."""

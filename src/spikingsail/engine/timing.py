@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,3 +225,20 @@ class SpeedMeasure:
             )
             for r in range(len(shares))
         ]
+
+
+def cuts(steps: Sequence[Step], least: int) -> Iterator[tuple[SpeedMeasure, SpeedMeasure]]:
+    """(earlier, later): the measures of ``steps`` cut in two at every place that leaves at least
+    ``least`` steps on each side (one pass over running sums)."""
+    if len(steps) < 2 * least:
+        return
+    total = SpeedMeasure.sums(steps)
+    before = [[0.0] * 6 for _ in total]
+    for cut in range(1, len(steps) - least + 1):
+        SpeedMeasure.sums([steps[cut - 1]], before)
+        if cut >= least:
+            after = [
+                [t - b for t, b in zip(rank, done, strict=True)]
+                for rank, done in zip(total, before, strict=True)
+            ]
+            yield SpeedMeasure.of(before), SpeedMeasure.of(after)

@@ -95,9 +95,7 @@ class Engine(DeepSpeedNames):
             self._closing.close()
             raise
         atexit.register(self._close_at_exit)
-        # What exists now (torch's modules, the model) lives as long as the job: out of the garbage
-        # collector's way, a full collection during training scans only what training makes, instead
-        # of pausing one rank for the whole heap (a second on a throttled CPU: the others wait for it).
+        # What exists now lives as long as the job: frozen, no collection scans it (all ranks wait for one).
         gc.collect()
         gc.freeze()
         log.info("engine ready: rank %d of %d on %s", rank_info.rank, rank_info.world_size, self.device)
@@ -426,10 +424,8 @@ class Engine(DeepSpeedNames):
         return total
 
     def close(self) -> None:
-        """Finish a background save, close the progress bar and metrics file, and leave the process group.
-
-        Runs at interpreter exit too when the script does not call it; calling it twice is harmless.
-        """
+        """Finish a background save, close the progress bar and metrics file, and leave the process
+        group. Runs at interpreter exit too when the script does not call it; twice is harmless."""
         if self._closed:
             return
         self._closed = True

@@ -11,7 +11,8 @@ two steps, or as it enters its gradient all-reduce across the groups (its peers,
 quorum, wait in theirs; had it sent its share first, the peers could finish the step without it). With
 --fail-heal-rank R, rank R's first heal fails; with --perturb-group G, group G's parameters differ by
 one float32 step when it joins the others. With --stop-group G --stop-step S, group G's process
-SIGSTOPs itself there instead (OUT/stopped-G holds its pid; whoever started it continues it).
+SIGSTOPs itself there instead, once it has recorded a step of its own in a quorum of every group (a
+group that joined late takes one first; OUT/stopped-G holds its pid; whoever started it continues it).
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ def main() -> None:
     loader = engine.dataloader(data)
     marker = args.out / f"killed-{group}"
     ledger = (args.out / f"ledger-{group}-{os.getpid()}.jsonl").open("a")
+    committed = False  # this process has recorded a step
     for _epoch in range(loader.epoch, args.epochs):
         for x, y, sample_ids in loader:
             step = engine.global_steps
@@ -132,7 +134,13 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 kill_in_first_all_reduce(engine)
             stopped = args.out / f"stopped-{group}"
-            if group == args.stop_group and step >= args.stop_step and not stopped.exists():
+            if (
+                group == args.stop_group
+                and step >= args.stop_step
+                and not stopped.exists()
+                and committed  # a group that joined late (healed past the step) takes one first
+                and (engine.replicas is None or engine.replicas.manager.num_participants() == groups)
+            ):  # stopped in step with its peer, after steps the others saw it take
                 stopped.write_text(f"{os.getpid()}")
                 os.kill(os.getpid(), signal.SIGSTOP)
             loss = F.mse_loss(engine(x), y)
@@ -149,6 +157,7 @@ def main() -> None:
                          "pid": os.getpid()}  # fmt: skip
                 ledger.write(json.dumps(entry) + "\n")
                 ledger.flush()
+                committed = True
             time.sleep(args.step_sleep)
     from torch.distributed.tensor import DTensor
 

@@ -252,17 +252,23 @@ def test_a_stopped_group_is_left_out_and_heals_from_a_group_restarted_meanwhile(
     stopped = int((out / "stopped-0").read_text())
     while _state(stopped) != "T" and time.monotonic() < deadline:
         time.sleep(0.05)
-    killed = _wait_for_worker(out, group=1)
-    os.kill(killed, signal.SIGKILL)
-    # continue group 0 once the restarted group 1 is past it alone (so group 0 is behind and heals
-    # from it), however long the restart takes on a loaded machine
-    last = max(entry["step"] for entry in _entries(out, 0))
-    while (
-        time.monotonic() < deadline
-        and job.poll() is None
-        and not any(entry["step"] > last + 1 for entry in _entries(out, 1, besides=killed))
-    ):
-        time.sleep(0.5)
+    try:
+        killed = _wait_for_worker(out, group=1)
+        os.kill(killed, signal.SIGKILL)
+        # continue group 0 once the restarted group 1 is past it alone (so group 0 is behind and
+        # heals from it), however long the restart takes on a loaded machine
+        last = max(entry["step"] for entry in _entries(out, 0))
+        while (
+            time.monotonic() < deadline
+            and job.poll() is None
+            and not any(entry["step"] > last + 1 for entry in _entries(out, 1, besides=killed))
+        ):
+            time.sleep(0.5)
+    except BaseException:  # the job ends with the test: nothing stopped is left behind
+        os.kill(stopped, signal.SIGCONT)
+        job.terminate()
+        job.communicate(timeout=60)
+        raise
     os.kill(stopped, signal.SIGCONT)
     finish(job)
     restarted = [entry for entry in _entries(out, 1, besides=killed) if entry["step"] <= last]

@@ -183,9 +183,10 @@ class Balancer:
             if later is not None:
                 return self._change(step, later, rank, refined=False)
             steps, half = list(self._window), MEASURE_STEPS // 2
-            halves = SpeedMeasure.of_steps(steps[half:]), SpeedMeasure.of_steps(steps[:half])
-            if len(self._since) < REBASE_STEPS and self._moved(*halves, z=0.0):
-                return None  # perhaps: the window slides on until its halves agree
+            if len(self._since) < REBASE_STEPS and self._moved(
+                SpeedMeasure.of_steps(steps[half:]), SpeedMeasure.of_steps(steps[:half]), z=0.0
+            ):  # perhaps: the window slides on until its halves agree (measured only while it may)
+                return None
             self._set_reference(measure)
             self._steady = SpeedMeasure.sums(steps)  # the steps at this split: from the reference on
         if self._reference is None or self._moved(measure):

@@ -13,6 +13,9 @@ quorum, wait in theirs; had it sent its share first, the peers could finish the 
 one float32 step when it joins the others. With --stop-group G --stop-step S, group G's process
 SIGSTOPs itself there instead, once it has recorded a step of its own in a quorum of every group (a
 group that joined late takes one first; OUT/stopped-G holds its pid; whoever started it continues it).
+With --hold-group G, group G's process joins the job only once OUT/go-G exists. While OUT/pause-G
+exists, group G's process waits between two steps (OUT/paused-G says it does), its torchft manager
+still heartbeating.
 """
 
 from __future__ import annotations
@@ -63,6 +66,12 @@ def main() -> None:
         default=-1,
         help="this group's parameters are nudged just before it first joins the others",
     )
+    parser.add_argument(
+        "--hold-group",
+        type=int,
+        default=-1,
+        help="this group's process waits for OUT/go-G before it joins the job (its imports done)",
+    )
     parser.add_argument("--min-replicas", type=int, default=1, help="fault_tolerance.min_replicas")
     parser.add_argument("--backend", default="ddp", help="sail.backend (fsdp: sharded within each group)")
     parser.add_argument("--hidden", type=int, default=16, help="width of the hidden layer")
@@ -84,6 +93,8 @@ def main() -> None:
         fail_first_heal(args.out / f"heal-failed-{group}")
     if group == args.perturb_group:
         perturb_before_joining()
+    while group == args.hold_group and not (args.out / f"go-{group}").exists():
+        time.sleep(0.05)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
     config: dict[str, Any] = {
@@ -121,6 +132,10 @@ def main() -> None:
     for _epoch in range(loader.epoch, args.epochs):
         for x, y, sample_ids in loader:
             step = engine.global_steps
+            pause = args.out / f"pause-{group}"
+            while pause.exists():
+                (args.out / f"paused-{group}").touch()
+                time.sleep(0.05)
             chosen = args.kill_rank < 0 or engine.rank == args.kill_rank
             if (
                 group == args.kill_group
@@ -150,11 +165,12 @@ def main() -> None:
                 digest = sum(float(full(p).double().sum()) for p in model.parameters())
                 manager = engine.replicas.manager if engine.replicas is not None else None
                 quorum = manager._quorum_id if manager is not None else None
+                lighthouse = manager._client.lighthouse_id if manager is not None else None
                 alone = manager is None or manager.num_participants() == 1
                 entry = {"step": step, "ids": sample_ids.flatten().int().tolist(), "digest": digest,
                          "time": time.time(), "rank": engine.rank, "quorum": quorum, "alone": alone,
-                         "group": group, "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
-                         "pid": os.getpid()}  # fmt: skip
+                         "lighthouse": lighthouse, "group": group, "pid": os.getpid(),
+                         "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT")}  # fmt: skip
                 ledger.write(json.dumps(entry) + "\n")
                 ledger.flush()
                 committed = True

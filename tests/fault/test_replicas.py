@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +87,7 @@ def committed_samples(out: Path) -> dict[int, list[int]]:
     """The sample ids of each committed step (counted from 0), over the processes that took part in it.
     Groups that did not see each other may each have taken a step alone, from the same state (torchft
     gave each a quorum of its own): then each quorum took the whole step's samples, once. A group
-    alone in its quorum is told apart by itself, not by the quorum's id: a lighthouse started again
-    numbers its quorums from 1 again, so two groups apart can take a step under the same id."""
+    alone in its quorum is told apart by its group and attempt, as the engine's ledger tells it."""
     by_quorum: dict[int, dict[Any, list[int]]] = collections.defaultdict(
         lambda: collections.defaultdict(list)
     )
@@ -316,11 +317,70 @@ def _entries(out: Path, group: int, besides: int = 0) -> list[dict[str, Any]]:
 def test_the_lighthouse_killed_mid_run_is_started_again_and_training_goes_on(tmp_path: Path) -> None:
     out = tmp_path / "run"
     job = launch(out, wait=False)
-    _wait_for_worker(out, group=0)
-    lighthouse = _child_with(job.pid, "torchft_lighthouse")
-    os.kill(lighthouse, signal.SIGKILL)
+    try:  # mid-run: once the groups took a step together (on a loaded machine group 1 can start late)
+        _wait_for(lambda: any(not entry["alone"] for entry in _entries(out, 0)), "a step of both groups", 120)
+        os.kill(_child_with(job.pid, "torchft_lighthouse"), signal.SIGKILL)
+    except BaseException:
+        job.terminate()
+        job.communicate(timeout=60)
+        raise
     assert "torchft's lighthouse ended" in finish(job)
     assert_trained_as_one_process(out, tmp_path)
+
+
+def test_a_group_first_meeting_another_under_a_restarted_lighthouse_heals_over_a_new_process_group(
+    tmp_path: Path,
+) -> None:
+    """A lighthouse started again numbers its quorums from 1 again. Group 0 trains alone in the first
+    lighthouse's quorum 1 and pauses; the lighthouse is killed and started again; group 1 joins and
+    waits for group 0, which continues: the two first meet in the second lighthouse's quorum 1.
+    torchft builds a process group only for a new quorum id: group 0 sent its state to group 1 over
+    its one-process group and crashed (SIGSEGV in gloo), was started again from step 0, and its first
+    steps differed from those taken again. Quorum ids here name the members too."""
+    out = tmp_path / "run"
+    job = launch(out, "--hold-group", "1", wait=False)
+    try:
+        _wait_for_worker(out, group=0)
+        (out / "pause-0").touch()
+        _wait_for((out / "paused-0").exists, "group 0 pauses")
+        first = _child_with(job.pid, "torchft_lighthouse")
+        os.kill(first, signal.SIGKILL)
+        # the second lighthouse hears group 0's heartbeats, then group 1 asks it for a quorum
+        _wait_for(lambda: "sail_0" in _lighthouse_status(job.pid), "group 0 heartbeats to the new lighthouse")
+        (out / "go-1").touch()
+        _wait_for(lambda: "at least half of 2" in _lighthouse_status(job.pid), "group 1 waits for group 0")
+        (out / "pause-0").unlink()
+    except BaseException:
+        job.terminate()
+        job.communicate(timeout=60)
+        raise
+    output = finish(job)
+    assert "replica group 0 ended" not in output, output[-4000:]  # not crashed, not started again
+    entries = sorted(ledger(out), key=lambda entry: entry["time"])
+    before = [entry for entry in entries if entry["group"] == 0 and entry["alone"]]
+    met = next(entry for entry in entries if entry["group"] == 0 and not entry["alone"])
+    assert before[0]["lighthouse"] == met["lighthouse"] == 1  # the same number, other members
+    assert_trained_as_one_process(out, tmp_path)
+
+
+def _wait_for(condition: Callable[[], bool], what: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {seconds:.0f} s: {what}"
+        time.sleep(0.1)
+
+
+def _lighthouse_status(job: int) -> str:
+    """The status page of the job's lighthouse ("" while none serves)."""
+    try:
+        lighthouse = _child_with(job, "torchft_lighthouse")
+        argv = Path(f"/proc/{lighthouse}/cmdline").read_bytes().decode().split("\0")
+        address = argv[argv.index("--bind") + 1]
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(f"http://{address}/status", timeout=2) as page:
+            return str(page.read().decode())
+    except (AssertionError, OSError, ValueError):
+        return ""
 
 
 def test_a_lighthouse_port_taken_after_it_was_chosen_is_replaced_before_the_groups_start(

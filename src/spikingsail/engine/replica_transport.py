@@ -15,7 +15,11 @@ state's metadata. Here:
   group sends its state as ``torch.save`` bytes with an HMAC-SHA256 under the job's secret over the
   healing rank's fresh nonce, and the healing rank checks the MAC before it reads a byte of the
   state, then reads it with ``weights_only=True`` (tensors and plain data: nothing runs). The live
-  group sends only to a rank that proves it holds the secret too.
+  group sends only to a rank that proves it holds the secret too;
+- a quorum's id names its members as well as the lighthouse's count (``QuorumIds``): a lighthouse
+  started again counts its quorums from 1 again, and torchft builds a new process group only when
+  the id changes, so a group whose last quorum had the same number kept the old group's connections
+  (world size, peers) for the new members: a heal over them crashed the process (SIGSEGV in gloo).
 """
 
 from __future__ import annotations
@@ -169,6 +173,38 @@ class BoundGloo(ProcessGroupGloo):  # type: ignore[misc]  # torchft: untyped
             if device == "cpu" or torch.cuda.is_available():
                 pg._register_backend(torch.device(device), BaseProcessGroup.BackendType.GLOO, backend)
         return pg
+
+
+class QuorumIds:
+    """torchft's ``ManagerClient``, but each quorum it returns carries an id taken from the
+    lighthouse's and its members' replica ids (with their per-process uuids), the same in every
+    member: a process group is built anew for new members even when a lighthouse started again
+    reuses the number, and its store keys are not an earlier quorum's."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.lighthouse_id: int | None = None
+        """The lighthouse's number of the last quorum."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._client._quorum(*args, **kwargs)
+        self.lighthouse_id = result.quorum_id
+        return _Quorum(result)
+
+
+class _Quorum:
+    """A ``QuorumResult`` whose ``quorum_id`` is the lighthouse's number and its members together."""
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+        members = repr((result.quorum_id, list(result.replica_ids))).encode()
+        self.quorum_id = int.from_bytes(hashlib.blake2b(members, digest_size=8).digest(), "big") >> 2
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._result, name)
 
 
 @contextlib.contextmanager

@@ -161,7 +161,12 @@ class ReplicaGroups:
         from torchft import Manager
         from torchft.process_group import ProcessGroupBabyNCCL
 
-        from spikingsail.engine.replica_transport import BoundGloo, SignedStateTransport, manager_bound_to
+        from spikingsail.engine.replica_transport import (
+            BoundGloo,
+            QuorumIds,
+            SignedStateTransport,
+            manager_bound_to,
+        )
 
         self.env = env
         self.group_size = rank_info.world_size
@@ -176,6 +181,7 @@ class ReplicaGroups:
         self._transport = SignedStateTransport(pg, env.secret, device)  # not torchft's HTTP server
         with manager_bound_to(address):
             self.manager = _manager(Manager, config, env, rank_info, pg, address, self._transport)
+        self.manager._client = QuorumIds(self.manager._client)  # no public way to reach it
         self.manager.register_state_dict_fn("sail", load_state, get_state)
         self.device, self._tensors = device, tensors
         self._in_step = False

@@ -221,9 +221,9 @@ class ReplicaSplit(EqualSplit):
 
     def optimizer_end(self, notes: StepNotes) -> None:
         """Which quorum committed the step, when it held more than this group (the sample ledger
-        counts its groups' samples together). A group alone in its quorum took the whole step by
-        itself, and two groups apart may each take the same step so: their quorum ids do not tell
-        them apart, since a lighthouse started again numbers its quorums from 1 again."""
+        counts its groups' samples together; the id names the members too, ``QuorumIds``). A group
+        alone in its quorum took the whole step with its own ranks, as a job without replica groups
+        does, and two groups apart may each take the same step so: it names none."""
         assert self.replicas is not None
         manager = self.replicas.manager
         notes.quorum = manager._quorum_id if manager.num_participants() > 1 else None  # no public name

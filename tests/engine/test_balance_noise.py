@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from spikingsail.data.sampler import split_batch
@@ -175,6 +175,7 @@ STEP_ROWS = st.lists(st.tuples(*[st.floats(1e-3, 1.0), st.integers(1, 512)] * 2)
 
 
 @given(STEP_ROWS, st.integers(1, 8))
+@example(rows=[(1.0, 1, 0.75, 1), (1.0, 1, 0.001, 1), (1.0, 1, 0.001, 1)], least=1)  # 0.75² among 0.001²
 def test_cuts_measure_each_side_as_its_own_steps_would(rows: list[tuple[float, ...]], least: int) -> None:
     steps: list[Step] = [[[c0, float(n0), c0], [c1, float(n1), c1]] for c0, n0, c1, n1 in rows]
     found = list(cuts(steps, least))

@@ -334,9 +334,10 @@ def test_a_group_first_meeting_another_under_a_restarted_lighthouse_heals_over_a
     """A lighthouse started again numbers its quorums from 1 again. Group 0 trains alone in the first
     lighthouse's quorum 1 and pauses; the lighthouse is killed and started again; group 1 joins and
     waits for group 0, which continues: the two first meet in the second lighthouse's quorum 1.
-    torchft builds a process group only for a new quorum id: group 0 sent its state to group 1 over
-    its one-process group and crashed (SIGSEGV in gloo), was started again from step 0, and its first
-    steps differed from those taken again. Quorum ids here name the members too."""
+    torchft builds a process group only for a new quorum id: while the ids were the lighthouse's alone,
+    group 0 sent its state to group 1 over its one-process group and crashed (SIGSEGV in gloo), was
+    started again from step 0, and its first steps differed from those taken again. The engine's
+    quorum ids name the members too."""
     out = tmp_path / "run"
     job = launch(out, "--hold-group", "1", wait=False)
     try:

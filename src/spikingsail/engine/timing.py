@@ -229,16 +229,16 @@ class SpeedMeasure:
 
 def cuts(steps: Sequence[Step], least: int) -> Iterator[tuple[SpeedMeasure, SpeedMeasure]]:
     """(earlier, later): the measures of ``steps`` cut in two at every place that leaves at least
-    ``least`` steps on each side (one pass over running sums)."""
+    ``least`` steps on each side, from running sums kept from each end (the whole's sums less the
+    earlier side's would keep the rounding of a long step's square among short ones' as spread)."""
     if len(steps) < 2 * least:
         return
-    total = SpeedMeasure.sums(steps)
-    before = [[0.0] * 6 for _ in total]
+    later: dict[int, list[list[float]]] = {}
+    running = [[0.0] * 6 for _ in steps[0]]
+    for cut in range(len(steps) - 1, least - 1, -1):
+        later[cut] = [list(rank) for rank in SpeedMeasure.sums([steps[cut]], running)]
+    before = [[0.0] * 6 for _ in steps[0]]
     for cut in range(1, len(steps) - least + 1):
         SpeedMeasure.sums([steps[cut - 1]], before)
         if cut >= least:
-            after = [
-                [t - b for t, b in zip(rank, done, strict=True)]
-                for rank, done in zip(total, before, strict=True)
-            ]
-            yield SpeedMeasure.of(before), SpeedMeasure.of(after)
+            yield SpeedMeasure.of(before), SpeedMeasure.of(later[cut])

@@ -4,6 +4,7 @@ real SIGKILL / SIGSTOP; every run is compared with one process training on the w
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from spikingsail.launchers.replicas import ReplicaPlan, free_port, plan_replica_
 from spikingsail.launchers.request import parse_request
 from spikingsail.monitor import ledger_check
 from tests.cluster.harness import processes_with
+from tests.launchers.test_local import wait_for
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
 
@@ -253,7 +255,7 @@ def test_a_stopped_group_is_left_out_and_heals_from_a_group_restarted_meanwhile(
     stopped = int((out / "stopped-0").read_text())
     while _state(stopped) != "T" and time.monotonic() < deadline:
         time.sleep(0.05)
-    try:
+    with _ended_on_failure(job, stopped):
         killed = _wait_for_worker(out, group=1)
         os.kill(killed, signal.SIGKILL)
         # continue group 0 once the restarted group 1 is past it alone (so group 0 is behind and
@@ -265,11 +267,6 @@ def test_a_stopped_group_is_left_out_and_heals_from_a_group_restarted_meanwhile(
             and not any(entry["step"] > last + 1 for entry in _entries(out, 1, besides=killed))
         ):
             time.sleep(0.5)
-    except BaseException:  # the job ends with the test: nothing stopped is left behind
-        os.kill(stopped, signal.SIGCONT)
-        job.terminate()
-        job.communicate(timeout=60)
-        raise
     os.kill(stopped, signal.SIGCONT)
     finish(job)
     restarted = [entry for entry in _entries(out, 1, besides=killed) if entry["step"] <= last]
@@ -317,13 +314,9 @@ def _entries(out: Path, group: int, besides: int = 0) -> list[dict[str, Any]]:
 def test_the_lighthouse_killed_mid_run_is_started_again_and_training_goes_on(tmp_path: Path) -> None:
     out = tmp_path / "run"
     job = launch(out, wait=False)
-    try:  # mid-run: once the groups took a step together (on a loaded machine group 1 can start late)
-        _wait_for(lambda: any(not entry["alone"] for entry in _entries(out, 0)), "a step of both groups", 120)
+    with _ended_on_failure(job):  # mid-run: once the groups took a step together (group 1 can start late)
+        wait_for(lambda: any(not entry["alone"] for entry in _entries(out, 0)), 120, "no step of both groups")
         os.kill(_child_with(job.pid, "torchft_lighthouse"), signal.SIGKILL)
-    except BaseException:
-        job.terminate()
-        job.communicate(timeout=60)
-        raise
     assert "torchft's lighthouse ended" in finish(job)
     assert_trained_as_one_process(out, tmp_path)
 
@@ -340,21 +333,17 @@ def test_a_group_first_meeting_another_under_a_restarted_lighthouse_heals_over_a
     quorum ids name the members too."""
     out = tmp_path / "run"
     job = launch(out, "--hold-group", "1", wait=False)
-    try:
+    with _ended_on_failure(job):
         _wait_for_worker(out, group=0)
         (out / "pause-0").touch()
-        _wait_for((out / "paused-0").exists, "group 0 pauses")
+        wait_for((out / "paused-0").exists, 60, "group 0 did not pause")
         first = _child_with(job.pid, "torchft_lighthouse")
         os.kill(first, signal.SIGKILL)
         # the second lighthouse hears group 0's heartbeats, then group 1 asks it for a quorum
-        _wait_for(lambda: "sail_0" in _lighthouse_status(job.pid), "group 0 heartbeats to the new lighthouse")
+        wait_for(lambda: "sail_0" in _lighthouse_status(job.pid), 60, "no heartbeat of group 0's there")
         (out / "go-1").touch()
-        _wait_for(lambda: "at least half of 2" in _lighthouse_status(job.pid), "group 1 waits for group 0")
+        wait_for(lambda: "at least half of 2" in _lighthouse_status(job.pid), 60, "group 1 not waiting")
         (out / "pause-0").unlink()
-    except BaseException:
-        job.terminate()
-        job.communicate(timeout=60)
-        raise
     output = finish(job)
     assert "replica group 0 ended" not in output, output[-4000:]  # not crashed, not started again
     entries = sorted(ledger(out), key=lambda entry: entry["time"])
@@ -364,11 +353,18 @@ def test_a_group_first_meeting_another_under_a_restarted_lighthouse_heals_over_a
     assert_trained_as_one_process(out, tmp_path)
 
 
-def _wait_for(condition: Callable[[], bool], what: str, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {seconds:.0f} s: {what}"
-        time.sleep(0.1)
+@contextlib.contextmanager
+def _ended_on_failure(job: subprocess.Popen[str], stopped: int | None = None) -> Iterator[None]:
+    """A test that fails while its job runs ends the job (continuing the process it stopped, if any),
+    so that nothing is left behind."""
+    try:
+        yield
+    except BaseException:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        job.terminate()
+        job.communicate(timeout=60)
+        raise
 
 
 def _lighthouse_status(job: int) -> str:

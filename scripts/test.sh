@@ -93,6 +93,9 @@ lanes alone "alone and not speed" alone2 "alone and not cluster and not speed" \
 unset SAIL_TEST_SHARE SAIL_TEST_SHARE_BY
 code=0; run speed "speed" || code=$?; outcome "$code"
 .venv/bin/python scripts/suite_check.py slowest "$(($(date +%s) - started))" "$scratch"/{rest,cluster,alone,alone2,alone3,speed}.xml
+if [ -n "${SAIL_TEST_REPORTS:-}" ]; then  # keep the lanes' JUnit reports (each test's time and CPU-s)
+  mkdir -p "$SAIL_TEST_REPORTS" && cp "$scratch"/*.xml "$SAIL_TEST_REPORTS"/ 2>/dev/null || true
+fi
 if [ "$selected" = 0 ] && [ "$status" = 0 ]; then exit 5; fi  # the lint may have failed
 .venv/bin/python scripts/suite_check.py leftovers "$scratch/before.json" || status=$((status > 1 ? status : 1))
 exit "$status"

@@ -16,12 +16,22 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 SHARE = "SAIL_TEST_SHARE"
 SHARE_BY = "SAIL_TEST_SHARE_BY"
+SUITE = "SAIL_SUITE_MARK"  # set by scripts/test.sh for all its lanes
+
+# The lanes are pytest processes on one checkout: the first to import a test module keeps pytest's
+# assertion-rewritten code of it (__pycache__/*-pytest-*.pyc) and the later ones read it, 3.7 of a
+# lane's 11 s of collecting here. Where PYTHONDONTWRITEBYTECODE is set, every lane would rewrite
+# every module; test.sh writes the checkout's bytecode anyway (the processes the tests start keep
+# the setting).
+if os.environ.get(SUITE):
+    sys.dont_write_bytecode = False
 
 
 def _unit(item: pytest.Item) -> str:

@@ -131,3 +131,25 @@ def test_without_a_share_a_lane_runs_everything_it_selects(tmp_path: Path) -> No
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output
     assert len(ran(tmp_path / "all.xml")) == 8
+
+
+@pytest.mark.parametrize("in_suite", [True, False])
+def test_a_lane_of_the_suite_keeps_pytests_rewritten_modules_for_the_next_even_without_bytecode(
+    tmp_path: Path, in_suite: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under scripts/test.sh (SAIL_SUITE_MARK) a lane writes pytest's assertion-rewritten test modules,
+    which later lanes read instead of rewriting, though PYTHONDONTWRITEBYTECODE is set; a plain pytest
+    with that setting writes none."""
+    tests, log = tmp_path / "suite", tmp_path / "log"
+    tests.mkdir()
+    write_tests(tests, files=2)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    if in_suite:
+        monkeypatch.setenv("SAIL_SUITE_MARK", "lanes-test")
+    else:
+        monkeypatch.delenv("SAIL_SUITE_MARK", raising=False)
+    process = lane(tests, None, "file", "", log, tmp_path / "all.xml")
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    rewritten = sorted(p.name.split(".")[0] for p in tests.glob("__pycache__/test_*-pytest-*.pyc"))
+    assert rewritten == (["test_f0", "test_f1"] if in_suite else [])

@@ -233,12 +233,14 @@ def cuts(steps: Sequence[Step], least: int) -> Iterator[tuple[SpeedMeasure, Spee
     earlier side's would keep the rounding of a long step's square among short ones' as spread)."""
     if len(steps) < 2 * least:
         return
-    later: dict[int, list[list[float]]] = {}
+    later: dict[int, SpeedMeasure] = {}  # at each cut that leaves ``least`` steps before it
     running = [[0.0] * 6 for _ in steps[0]]
     for cut in range(len(steps) - 1, least - 1, -1):
-        later[cut] = [list(rank) for rank in SpeedMeasure.sums([steps[cut]], running)]
+        SpeedMeasure.sums([steps[cut]], running)
+        if cut <= len(steps) - least:
+            later[cut] = SpeedMeasure.of(running)
     before = [[0.0] * 6 for _ in steps[0]]
     for cut in range(1, len(steps) - least + 1):
         SpeedMeasure.sums([steps[cut - 1]], before)
         if cut >= least:
-            yield SpeedMeasure.of(before), SpeedMeasure.of(later[cut])
+            yield SpeedMeasure.of(before), later[cut]

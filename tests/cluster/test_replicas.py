@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -98,8 +99,17 @@ def test_node2s_agent_killed_the_group_is_started_again_and_heals_from_node1(
 def test_a_5_second_network_cut_leaves_node2s_group_out_and_it_heals(
     cluster: NamespaceCluster, tmp_path: Path
 ) -> None:
+    """Before the cut, with both groups running, the job's torchft services listen on the nodes' own
+    addresses, never on every interface (``assert_listening_on_the_nodes_own_addresses``)."""
     job, out = start(cluster, tmp_path)
-    _wait_for_worker(out, 1)
+    try:
+        _wait_for_worker(out, 1)
+        _wait_for_worker(out, 0)
+        assert_listening_on_the_nodes_own_addresses(cluster, torchft_sockets(cluster))
+    except BaseException:
+        job.send_signal(signal.SIGINT)
+        job.communicate(timeout=120)
+        raise
     iptables = ["ip", "netns", "exec", cluster.netns["node2"], "iptables"]
     rules = [["INPUT", "-s", cluster.address["node1"], "-j", "DROP"],
              ["OUTPUT", "-d", cluster.address["node1"], "-j", "DROP"]]  # fmt: skip
@@ -122,31 +132,30 @@ def test_a_5_second_network_cut_leaves_node2s_group_out_and_it_heals(
     assert_no_job_left(cluster)
 
 
-def test_torchft_services_listen_on_the_nodes_own_addresses_never_every_interface(
-    cluster: NamespaceCluster, tmp_path: Path
-) -> None:
+Sockets = dict[tuple[str, int], list[tuple[Any, int]]]
+
+
+def torchft_sockets(cluster: NamespaceCluster) -> Sockets:
+    """What the lighthouse and each group's worker listen on, per (node, pid), while the job runs."""
+    found = {}
+    for node in ("node1", "node2"):
+        for pid in cluster.pids(node):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                sockets = listening(pid)
+            except OSError:
+                continue
+            if (
+                argv[1].endswith(b"torchft_lighthouse.py") or str(WORKER).encode() in argv[1:3]
+            ):  # python [-u] replica_worker.py
+                found[(node, pid)] = sockets
+    return found
+
+
+def assert_listening_on_the_nodes_own_addresses(cluster: NamespaceCluster, found: Sockets) -> None:
     """Across nodes: the lighthouse on node1's address towards the nodes, each group's manager and
     process group on its node's address towards the lighthouse; none on every interface. torchrun's
     agents are left out (their c10d store is torch's and listens on every interface)."""
-    job, out = start(cluster, tmp_path)
-    try:
-        _wait_for_worker(out, 1)
-        _wait_for_worker(out, 0)
-        found = {}
-        for node in ("node1", "node2"):
-            for pid in cluster.pids(node):
-                try:
-                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                    sockets = listening(pid)
-                except OSError:
-                    continue
-                if (
-                    argv[1].endswith(b"torchft_lighthouse.py") or str(WORKER).encode() in argv[1:3]
-                ):  # python [-u] replica_worker.py
-                    found[(node, pid)] = sockets
-    finally:
-        job.send_signal(signal.SIGINT)
-        job.communicate(timeout=120)
     assert {node for node, _ in found} == {"node1", "node2"}
     for (node, pid), sockets in found.items():
         assert sockets, f"{node} {pid} listens on nothing"

@@ -68,12 +68,35 @@ def node2(cluster: NamespaceCluster) -> Iterator[Restart]:
     cluster.start_sshd("node2")
 
 
+@pytest.fixture
+def strict_node2(cluster: NamespaceCluster, node2: Restart) -> Iterator[tuple[Path, Path]]:
+    """node2's sshd with StrictModes on (OpenSSH's default), reading a key from a tidy ``.ssh``
+    (700, its authorized_keys 600): yields both paths. sshd checks the modes of authorized_keys and
+    its directories up to the user's home, so they live under root's home (/tmp above them would
+    fail StrictModes itself)."""
+    home = Path(tempfile.mkdtemp(dir=Path.home(), prefix=".sail-doctor-"))
+    try:
+        ssh_dir = home / ".ssh"
+        ssh_dir.mkdir(mode=0o700)
+        keys = ssh_dir / "authorized_keys"
+        shutil.copy(cluster.key.with_suffix(".pub"), keys)
+        keys.chmod(0o600)
+        node2(authorized_keys=keys, strict_modes=True)
+        yield ssh_dir, keys
+    finally:
+        shutil.rmtree(home)
+
+
 # Open MPI needs the namespaces' subnet named, as on any multi-homed machine
 MPIRUN = ("--launcher-args", "--mca btl_tcp_if_include 10.99.0.0/24 --mca oob_tcp_if_include 10.99.0.0/24")
 
 
 @pytest.mark.parametrize("launcher", ["ssh", "pdsh", "mpirun"])
-def test_a_healthy_cluster_passes(cluster: NamespaceCluster, tmp_path: Path, launcher: str) -> None:
+def test_a_healthy_cluster_passes(
+    cluster: NamespaceCluster, strict_node2: tuple[Path, Path], tmp_path: Path, launcher: str
+) -> None:
+    """node2 under StrictModes, as OpenSSH's default is, with a 700 .ssh and a 600 authorized_keys:
+    a pass (test_loose_ssh_permissions_under_strict_modes loosens them)."""
     code, report, _ = doctor(
         cluster, tmp_path, "--launcher", launcher, *(MPIRUN if launcher == "mpirun" else ())
     )
@@ -176,34 +199,21 @@ def test_a_node_that_wants_a_password(cluster: NamespaceCluster, node2: Restart,
 
 
 def test_loose_ssh_permissions_under_strict_modes(
-    cluster: NamespaceCluster, node2: Restart, tmp_path: Path
+    cluster: NamespaceCluster, strict_node2: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    # sshd checks the modes of authorized_keys and its directories up to the user's home, so the
-    # key lives in a .ssh directory under root's home (/tmp above it would fail StrictModes itself).
-    home = Path(tempfile.mkdtemp(dir=Path.home(), prefix=".sail-doctor-"))
-    try:
-        ssh_dir = home / ".ssh"
-        ssh_dir.mkdir(mode=0o700)
-        keys = ssh_dir / "authorized_keys"
-        shutil.copy(cluster.key.with_suffix(".pub"), keys)
-        keys.chmod(0o600)
-        node2(authorized_keys=keys, strict_modes=True)
-        code, report, _ = doctor(cluster, tmp_path, "--timeout", "60")
-        assert findings(report, "ssh", "node2")[0]["status"] == "ok", "700/600 must pass under StrictModes"
-
-        for loose, mode, tidy in (
-            (ssh_dir, 0o777, 0o700),
-            (keys, 0o666, 0o600),
-        ):  # the directory, then the file
-            loose.chmod(mode)
-            code, report, _ = doctor(cluster, tmp_path)
-            assert code == 1, loose
-            (ssh,) = findings(report, "ssh", "node2")
-            assert ssh["status"] == "fail" and "StrictModes" in ssh["detail"], (loose, ssh)
-            assert "chmod 700 ~/.ssh && chmod 600 ~/.ssh/authorized_keys" in ssh["fix"]
-            loose.chmod(tidy)
-    finally:
-        shutil.rmtree(home)
+    """The modes test_a_healthy_cluster_passes runs under (700/600), loosened one at a time."""
+    ssh_dir, keys = strict_node2
+    for loose, mode, tidy in (
+        (ssh_dir, 0o777, 0o700),
+        (keys, 0o666, 0o600),
+    ):  # the directory, then the file
+        loose.chmod(mode)
+        code, report, _ = doctor(cluster, tmp_path)
+        assert code == 1, loose
+        (ssh,) = findings(report, "ssh", "node2")
+        assert ssh["status"] == "fail" and "StrictModes" in ssh["detail"], (loose, ssh)
+        assert "chmod 700 ~/.ssh && chmod 600 ~/.ssh/authorized_keys" in ssh["fix"]
+        loose.chmod(tidy)
 
 
 def _patched_copy(original: Path, tmp_path: Path, old: str, new: str) -> Path:

@@ -118,7 +118,15 @@ def test_a_healthy_cluster_passes(
     assert balance["status"] == "ok" and "balance is not needed" in balance["detail"], balance
 
 
-def test_the_text_report_is_a_table_with_a_summary(cluster: NamespaceCluster, tmp_path: Path) -> None:
+def test_the_text_report_is_a_coloured_table_with_the_fixes_and_a_summary(
+    cluster: NamespaceCluster, node2: Restart, tmp_path: Path
+) -> None:
+    """Without --json: a row per finding, coloured by its status, each failure's fix under it, and
+    the counts last, red when anything failed. node2 refuses the key, so no all-reduce is started;
+    the green summary of a pass is test_judgement.py's."""
+    keys = tmp_path / "authorized_keys"
+    shutil.copy(cluster.workdir / "stranger_ed25519.pub", keys)
+    node2(authorized_keys=keys)
     (tmp_path / "hostfile").write_text("node1 slots=1\nnode2 slots=1\n")
     argv = [
         *DOCTOR,
@@ -130,12 +138,18 @@ def test_the_text_report_is_a_table_with_a_summary(cluster: NamespaceCluster, tm
         str(cluster.ssh_config),
     ]
     result = cluster.run("node1", argv, cwd=tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == 1, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert any(line.startswith("\033[32;1mOK  \033[0m  ssh") and "node2" in line for line in lines), (
-        result.stdout
-    )
-    assert "0 failure(s)" in lines[-1]
+    ok_row = [line for line in lines if line.startswith("\033[32;1mOK  \033[0m  ssh") and "node1" in line]
+    fail_row = [
+        i for i, line in enumerate(lines) if line.startswith("\033[31;1mFAIL\033[0m  ssh") and "node2" in line
+    ]
+    assert ok_row and fail_row, result.stdout
+    after = " ".join(" ".join(lines[fail_row[0] :]).split())
+    assert "refused the key" in after and "\033[2mfix: \033[0mssh-copy-id node2" in after, result.stdout
+    failures = sum(line.startswith("\033[31;1mFAIL") for line in lines)  # node2's ssh, the all-reduce
+    assert failures >= 2 and lines[-1].startswith("\033[31m"), result.stdout
+    assert f", {failures} failure(s)" in lines[-1], result.stdout
 
 
 def test_a_node_whose_authorized_keys_lacks_the_key(

@@ -7,12 +7,13 @@ would differ, so the judging code reads the probe's real schema.
 from __future__ import annotations
 
 import copy
+import io
 from typing import Any
 
 import pytest
 
 from spikingsail.diagnostics.collect import ProbeResult, run_here
-from spikingsail.diagnostics.findings import Report, Status
+from spikingsail.diagnostics.findings import Report, Status, ok, warn
 from spikingsail.diagnostics.machine import machine_findings
 from spikingsail.diagnostics.nodes import node_report
 from spikingsail.launchers.preflight import diagnose
@@ -313,3 +314,22 @@ def test_ssh_failures_are_explained(stderr: str, why: str, fix: str) -> None:
     got_why, got_fix = diagnose("node2", stderr, 255)
     assert got_why.startswith(why) and stderr in got_why
     assert fix in got_fix
+
+
+def test_a_passing_report_renders_as_a_table_with_a_green_summary_and_plain_without_colour() -> None:
+    report = Report(tables={"DeepSpeed ops": [["op", "compiled"], ["fused_adam", "yes"]]})
+    report.findings += [ok("ssh", "logs in without a password", "node2"),
+                        warn("slots", "2 process(es) but 1 usable CPU core(s)", "give node2 slots=1", "node2")]  # fmt: skip
+    painted, plain = io.StringIO(), io.StringIO()
+    report.render(painted, color=True)
+    report.render(plain, color=False)
+    lines = painted.getvalue().splitlines()
+    assert lines[0] == "\033[32;1mOK  \033[0m  ssh    node2  logs in without a password"
+    assert lines[1].startswith("\033[33;1mWARN\033[0m  slots  node2  2 process(es)")
+    assert lines[2].endswith("\033[2mfix: \033[0mgive node2 slots=1")
+    assert "\033[1mDeepSpeed ops\033[0m" in lines and "fused_adam  yes" in lines
+    assert lines[-1] == "\033[32m1 ok, 1 warning(s), 0 failure(s)\033[0m"
+    assert (
+        "\033" not in plain.getvalue()
+        and plain.getvalue().splitlines()[-1] == "1 ok, 1 warning(s), 0 failure(s)"
+    )

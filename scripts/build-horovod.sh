@@ -42,7 +42,19 @@ if [ "$gpu" = nccl ] && [ -z "$torch_cuda" ]; then
 fi
 key=$("$python" -c 'import sys, torch; print(f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}")')
 key="$key-release-gloo-mpi"  # the build type (below), then the controllers
-if [ "$gpu" = nccl ]; then key="$key-nccl-cuda$torch_cuda"; fi
+if [ "$gpu" = nccl ]; then
+  key="$key-nccl-cuda$torch_cuda"
+  # Horovod compiles its CUDA kernels for every architecture its nvcc knows (twelve with CUDA 13);
+  # torch's own kernels are built for fewer (its get_arch_list(): a cubin also runs on the later minor
+  # versions of its major), so Horovod's are built for the same ones, unless HOROVOD_BUILD_CUDA_CC_LIST
+  # (Horovod's own setting: 80,90) names others.
+  cc_list=${HOROVOD_BUILD_CUDA_CC_LIST:-$("$python" -c 'import torch
+print(",".join(a[3:] for a in torch.cuda.get_arch_list() if a.startswith("sm_")))')}
+  if [ -n "$cc_list" ]; then
+    gpu_env+=(HOROVOD_BUILD_CUDA_CC_LIST="$cc_list")
+    key="$key-sm${cc_list//,/.}"
+  fi
+fi
 if $key_only; then echo "$key"; exit 0; fi
 out="$cache/wheels/horovod-$version-$key"
 if ls "$out"/horovod-*.whl >/dev/null 2>&1; then

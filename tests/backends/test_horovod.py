@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -322,16 +323,63 @@ def test_the_horovod_build_chooses_nccl_only_with_a_cuda_torch_and_keys_its_cach
     default = key()
     assert default.returncode == 0, default.stderr
     assert default.stdout.strip().endswith(
-        f"-gloo-mpi-nccl-cuda{cuda}" if cuda and shutil.which("nvcc") else "-gloo-mpi"
+        f"-gloo-mpi-nccl-cuda{cuda}-sm{'.'.join(map(str, torch_archs()))}"
+        if cuda and shutil.which("nvcc")
+        else "-gloo-mpi"
     )
     forced = key(SAIL_HOROVOD_GPU="nccl")
     if cuda:
-        assert forced.returncode == 0 and forced.stdout.strip().endswith(f"-nccl-cuda{cuda}")
+        assert forced.returncode == 0 and f"-nccl-cuda{cuda}-sm" in forced.stdout
+        named = key(SAIL_HOROVOD_GPU="nccl", HOROVOD_BUILD_CUDA_CC_LIST="80,90")  # Horovod's own setting
+        assert named.returncode == 0 and named.stdout.strip().endswith(f"-nccl-cuda{cuda}-sm80.90")
     else:
         assert forced.returncode == 2 and "needs a CUDA build of torch" in forced.stderr
     assert key(SAIL_HOROVOD_GPU="none").stdout.strip().endswith("-gloo-mpi")
     wrong = key(SAIL_HOROVOD_GPU="yes")
     assert wrong.returncode == 2 and "give nccl or none" in wrong.stderr
+
+
+def torch_archs() -> list[int]:
+    """The GPU architectures torch's own kernels are compiled for (75 for sm_75)."""
+    return [int(a[3:]) for a in torch.cuda.get_arch_list() if a.startswith("sm_")]
+
+
+def cuda_kernels(library: Path) -> tuple[list[int], list[int]]:
+    """The architectures of the compiled kernels (cubins) and of the PTX in a library's .nv_fatbin
+    section: each fat binary is a 16-byte header (magic 0xBA55ED50) and entries of a kind (1 PTX,
+    2 cubin), a header size, a payload size and, at byte 28, the architecture."""
+    data = library.read_bytes()
+    (table,) = struct.unpack_from("<Q", data, 0x28)
+    size, count, names = struct.unpack_from("<HHH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQ", data, table + i * size) for i in range(count)]
+    strings = sections[names][4]
+    fatbins = [s for s in sections if data[strings + s[0] :].startswith(b".nv_fatbin\0")]
+    cubins: list[int] = []
+    ptx: list[int] = []
+    for section in fatbins:
+        offset, end = section[4], section[4] + section[5]
+        while offset + 16 <= end and struct.unpack_from("<I", data, offset)[0] == 0xBA55ED50:
+            header, payload = struct.unpack_from("<HQ", data, offset + 6)
+            entry, offset = offset + header, offset + header + payload
+            while entry < offset:
+                kind, entry_header, entry_size = struct.unpack_from("<HxxIQ", data, entry)
+                (cubins if kind == 2 else ptx).append(struct.unpack_from("<I", data, entry + 28)[0])
+                entry += entry_header + entry_size
+    return sorted(cubins), sorted(ptx)
+
+
+def test_horovods_gpu_kernels_are_built_for_the_architectures_torchs_are() -> None:
+    """With NCCL, Horovod compiled its CUDA kernels for every architecture nvcc knows (twelve with
+    CUDA 13); scripts/build-horovod.sh gives it torch's list instead (each cubin also runs on the later
+    minor versions of its major), with the PTX of the last. A CPU-only build has no kernels."""
+    import horovod.torch
+
+    (library,) = Path(horovod.torch.__file__).parent.glob("mpi_lib_v2*.so")
+    cubins, ptx = cuda_kernels(library)
+    if horovod.torch.nccl_built():
+        assert (cubins, ptx) == (torch_archs(), torch_archs()[-1:]), library
+    else:
+        assert (cubins, ptx) == ([], []), library
 
 
 def test_the_installed_horovod_is_a_release_build_without_debug_information() -> None:

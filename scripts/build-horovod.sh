@@ -26,7 +26,13 @@ if [ "${1:-}" = "--key" ]; then key_only=true; shift; fi
 python=${1:?usage: build-horovod.sh [--key] PYTHON}
 version=0.28.1
 cache=${SPIKINGSAIL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/spikingsail}
-torch_cuda=$("$python" -c 'import torch; print(torch.version.cuda or "")')
+# torch's facts, read in one import of it (about 2 CPU-s each): its CUDA version (empty for a CPU build),
+# the cache key's torch and Python part, and the GPU architectures torch's own kernels are built for
+facts=$("$python" -c 'import sys, torch
+print(torch.version.cuda or "")
+print(f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}")
+print(",".join(a[3:] for a in torch.cuda.get_arch_list() if a.startswith("sm_")))')
+{ read -r torch_cuda; read -r key; read -r torch_archs; } <<< "$facts"
 gpu=${SAIL_HOROVOD_GPU:-}
 if [ -z "$gpu" ]; then
   if [ -n "$torch_cuda" ] && command -v nvcc >/dev/null; then gpu=nccl; else gpu=none; fi
@@ -40,7 +46,6 @@ if [ "$gpu" = nccl ] && [ -z "$torch_cuda" ]; then
   echo "[horovod] SAIL_HOROVOD_GPU=nccl needs a CUDA build of torch; this one is CPU-only" >&2
   exit 2
 fi
-key=$("$python" -c 'import sys, torch; print(f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}")')
 key="$key-release-gloo-mpi"  # the build type (below), then the controllers
 if [ "$gpu" = nccl ]; then
   key="$key-nccl-cuda$torch_cuda"
@@ -48,8 +53,7 @@ if [ "$gpu" = nccl ]; then
   # torch's own kernels are built for fewer (its get_arch_list(): a cubin also runs on the later minor
   # versions of its major), so Horovod's are built for the same ones, unless HOROVOD_BUILD_CUDA_CC_LIST
   # (Horovod's own setting: 80,90) names others.
-  cc_list=${HOROVOD_BUILD_CUDA_CC_LIST:-$("$python" -c 'import torch
-print(",".join(a[3:] for a in torch.cuda.get_arch_list() if a.startswith("sm_")))')}
+  cc_list=${HOROVOD_BUILD_CUDA_CC_LIST:-$torch_archs}
   if [ -n "$cc_list" ]; then
     gpu_env+=(HOROVOD_BUILD_CUDA_CC_LIST="$cc_list")
     key="$key-sm${cc_list//,/.}"

@@ -20,9 +20,11 @@
 #
 #   scripts/build-horovod.sh PYTHON      prints the path of the (cached) wheel on stdout
 #   scripts/build-horovod.sh --key PYTHON   prints only the cache key (torch, Python, GPU operations)
+#   scripts/build-horovod.sh --cached PYTHON   prints the cached wheel's path; exits 1 when none is built
 set -euo pipefail
-key_only=false
+key_only=false cached_only=false
 if [ "${1:-}" = "--key" ]; then key_only=true; shift; fi
+if [ "${1:-}" = "--cached" ]; then cached_only=true; shift; fi
 python=${1:?usage: build-horovod.sh [--key] PYTHON}
 version=0.28.1
 cache=${SPIKINGSAIL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/spikingsail}
@@ -32,7 +34,7 @@ facts=$("$python" -c 'import sys, torch
 print(torch.version.cuda or "")
 print(f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}")
 print(",".join(a[3:] for a in torch.cuda.get_arch_list() if a.startswith("sm_")))')
-{ read -r torch_cuda; read -r key; read -r torch_archs; } <<< "$facts"
+{ read -r torch_cuda; read -r key; read -r torch_archs || true; } <<< "$facts"  # a CPU build: no architectures
 gpu=${SAIL_HOROVOD_GPU:-}
 if [ -z "$gpu" ]; then
   if [ -n "$torch_cuda" ] && command -v nvcc >/dev/null; then gpu=nccl; else gpu=none; fi
@@ -65,6 +67,7 @@ if ls "$out"/horovod-*.whl >/dev/null 2>&1; then
   ls "$out"/horovod-*.whl
   exit 0
 fi
+if $cached_only; then exit 1; fi
 echo "[horovod] building horovod $version for $key (once per machine: about 3 minutes)" >&2
 if [ "$gpu" = nccl ]; then echo "[horovod] with NCCL for GPU tensors (CUDA $torch_cuda)" >&2; fi
 work=$(mktemp -d)

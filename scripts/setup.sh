@@ -6,6 +6,9 @@
 #                                 with uv: scripts/main.sh; a complete developer environment is
 #                                 used instead when there is one (no second install)
 #   scripts/setup.sh --backends   also DeepSpeed and Horovod, with their compiled parts (the tests)
+#   scripts/setup.sh --horovod    only Horovod, into an environment --backends set up with
+#                                 SAIL_HOROVOD_LATER=1 (which leaves an unbuilt Horovod for later:
+#                                 scripts/test.sh builds it beside its first tests)
 #
 # The environment lives outside the clone, keyed by the hash of the requirements files, so a second
 # clone or a CI run on the same machine reuses it; ./.venv points at it. Override the location
@@ -105,6 +108,23 @@ developer_environment() {  # dev.txt and nodeps.txt with uv (pip where uv does n
   touch "$venv/.complete"
 }
 
+install_horovod() {  # Horovod's wheel, built once per machine (scripts/build-horovod.sh), into $venv
+  local wheel
+  wheel=$(bash "$root/scripts/build-horovod.sh" "$venv/bin/python")
+  "$venv/bin/python" -m pip install --quiet --no-deps "$wheel"
+}
+
+if [ "${1:-}" = "--horovod" ]; then
+  if [ ! -f "$venv/.complete" ]; then
+    echo "[setup] --horovod: there is no environment at $venv yet: run scripts/setup.sh --backends" >&2
+    exit 1
+  fi
+  if [ ! -f "$venv/.backends-complete" ]; then
+    install_horovod
+    touch "$venv/.backends-complete"
+  fi
+  exit 0
+fi
 lean=0 fresh=0
 if [ "${1:-}" = "--main" ] && [ ! -f "$venv/.complete" ]; then
   venv="$cache/venv-main-$( (cat "$root/requirements/main.txt"; echo "$python_version") | sha256sum | cut -c1-16)"
@@ -119,12 +139,17 @@ fi
 if [ "${1:-}" = "--backends" ] && [ ! -f "$venv/.backends-complete" ]; then
   echo "[setup] adding DeepSpeed and Horovod (first run on this machine: about a minute and a half, 4 if Horovod must be built)"
   DS_BUILD_OPS=0 "$venv/bin/python" -m pip install --quiet -r "$root/requirements/backends.txt"
-  wheel=$(bash "$root/scripts/build-horovod.sh" "$venv/bin/python")
-  "$venv/bin/python" -m pip install --quiet --no-deps "$wheel"
+  later=0
+  if [ "${SAIL_HOROVOD_LATER:-0}" = 1 ] && ! bash "$root/scripts/build-horovod.sh" --cached "$venv/bin/python" >/dev/null; then
+    echo "[setup] Horovod is not built on this machine yet: scripts/setup.sh --horovod builds and installs it"
+    later=1
+  else
+    install_horovod
+  fi
   # DeepSpeed compiles its CPU ops on first use; do it once here, into the environment, so that
   # no run pays for it (the tests point TORCH_EXTENSIONS_DIR at the same place).
   bash "$root/scripts/deepspeed-ops.sh" "$venv"
-  touch "$venv/.backends-complete"
+  if [ "$later" = 0 ]; then touch "$venv/.backends-complete"; fi
 fi
 # On GPU nodes DeepSpeed compiles FusedAdam (what a config's Adam/AdamW becomes) with nvcc at the
 # first step of a job, on every node; SAIL_DEEPSPEED_CUDA_OPS=1 builds its CUDA ops into the

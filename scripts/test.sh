@@ -4,7 +4,11 @@
 # its pytest runs).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-bash "$root/scripts/install.sh"  # what the Dockerfile's image runs: system packages, pinned environment
+# What the Dockerfile's image runs (system packages, pinned environment), except that a Horovod not yet
+# built on this machine (3 minutes of both cores) is built beside the first phase's tests, below.
+later=1
+if [ "${SAIL_TEST_SERIAL:-0}" = 1 ]; then later=0; fi
+SAIL_HOROVOD_LATER=$later bash "$root/scripts/install.sh"
 cd "$root"
 # The checkout's bytecode, as setup.sh writes the environment's: a fresh clone has none, and where
 # PYTHONDONTWRITEBYTECODE is set, every process the tests start would compile what it imports of it.
@@ -59,9 +63,19 @@ export SAIL_SUITE_MARK
 .venv/bin/python scripts/suite_check.py snapshot "$scratch/before.json"
 export SAIL_TEST_CPU_TIME=1
 started=$(date +%s)
-beside=""
-trap 'kill $beside 2>/dev/null || true; rm -rf "$scratch" 2>/dev/null || true
-      rmdir "$cpu_groups-$SAIL_SUITE_MARK"-* 2>/dev/null || true' EXIT
+beside="" horovod=""
+trap 'kill $beside 2>/dev/null || true; if [ -n "$horovod" ]; then kill -- "-$horovod" 2>/dev/null || true; fi
+      rm -rf "$scratch" 2>/dev/null || true; rmdir "$cpu_groups-$SAIL_SUITE_MARK"-* 2>/dev/null || true' EXIT
+if [ ! -f "$(cd .venv && pwd -P)/.backends-complete" ]; then
+  # Horovod's build, in a process group of its own and at a lower priority than the tests: it takes
+  # the cores they leave idle (they wait on processes and sockets a tenth of the time). A test that
+  # needs Horovod (marked `horovod`, tests/conftest.py) waits for it, and the `alone` phase starts
+  # after it. The status file holds the build's exit status once it has ended.
+  export SAIL_TEST_HOROVOD_STATUS=$scratch/horovod.status
+  setsid bash -c 'code=0; nice -n 10 bash scripts/setup.sh --horovod > "$1.log" 2>&1 || code=$?
+                  echo "$code" > "$1.tmp" && mv "$1.tmp" "$1"' - "$SAIL_TEST_HOROVOD_STATUS" &
+  horovod=$!
+fi
 lanes() {  # lanes NAME MARKS [NAME MARKS ...]: runs side by side, each later one's output after the first's
   local first=$1 marks=$2 name pids=()
   shift 2
@@ -87,6 +101,15 @@ share() {  # share BY: the next phase's lanes share their tests by file or by te
 }
 share file
 lanes rest "not cluster and not alone" cluster "not alone" lint -
+if [ -n "$horovod" ]; then  # the build beside the first phase: ended before the timing-bound tests
+  wait "$horovod" || true
+  horovod=""
+  if [ "$(cat "$SAIL_TEST_HOROVOD_STATUS" 2>/dev/null)" != 0 ]; then
+    echo "---- Horovod's build beside the tests failed; its output:"
+    tail -n 40 "$SAIL_TEST_HOROVOD_STATUS.log"
+    status=1
+  fi
+fi
 share test
 lanes alone "alone and not speed" alone2 "alone and not cluster and not speed" \
   alone3 "alone and not cluster and not speed"

@@ -19,8 +19,9 @@ from tests.cgroups import cpu_quota_group
 from tests.cluster.harness import NamespaceCluster
 from tests.ninja import NINJA_DIR
 
-# how scripts/test.sh's lanes share out the tests, and the CPU time each test costs
-pytest_plugins = ["tests.lanes", "tests.cpu_time"]
+# how scripts/test.sh's lanes share out the tests, the CPU time each test costs, and the wait for a
+# Horovod built beside them
+pytest_plugins = ["tests.lanes", "tests.cpu_time", "tests.horovod_build"]
 
 # Set by others once per process: pytest's marker, torch's inductor cache path (exported the first
 # time an optimizer step consults it) and OpenMP switches scikit-learn exports when imported.

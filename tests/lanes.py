@@ -43,14 +43,18 @@ def _unit(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if not os.environ.get(SHARE):
         return
-    cluster = [item for item in items if "cluster" in item.keywords]
-    if not cluster:
-        return
-    others: dict[str, list[pytest.Item]] = {}
+    units: dict[str, list[pytest.Item]] = {}
     for item in items:
-        if "cluster" not in item.keywords:
-            others.setdefault(_unit(item), []).append(item)
-    items[:] = cluster + [item for unit in reversed(others) for item in others[unit]]
+        units.setdefault(_unit(item), []).append(item)
+    # the units with a test that needs Horovod last (tests/horovod_build.py: it may be being built)
+    order = sorted(units, key=lambda unit: any("horovod" in item.keywords for item in units[unit]))
+    cluster = [unit for unit in order if any("cluster" in item.keywords for item in units[unit])]
+    if not cluster:
+        items[:] = [item for unit in order for item in units[unit]]
+        return
+    others = [unit for unit in order if unit not in cluster]
+    more = [unit for unit in others if not any("horovod" in item.keywords for item in units[unit])]
+    items[:] = [item for unit in [*cluster, *reversed(more), *others[len(more) :]] for item in units[unit]]
 
 
 class _Claims:
@@ -78,14 +82,19 @@ class _Claims:
 _CLAIMS: dict[str, _Claims] = {}  # by directory
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+def claims_here(item: pytest.Item) -> bool:
+    """Whether this lane runs ``item``: no lanes share the tests, or it has (or now claims) its unit."""
     directory = os.environ.get(SHARE)
     if not directory:
-        return None
+        return True
     if directory not in _CLAIMS:
         _CLAIMS[directory] = _Claims(Path(directory))
-    if _CLAIMS[directory].take(_unit(item)):
+    return _CLAIMS[directory].take(_unit(item))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    if claims_here(item):
         return None  # pytest's own protocol runs it
     # another lane's: not run here; what the previous test left set up for it is torn down as the
     # test after it needs (pytest would have done so after running it)

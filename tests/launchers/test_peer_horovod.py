@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -33,6 +32,9 @@ entries = st.tuples(st.sampled_from(["node1", "node2", "10.0.0.3", ""]), st.none
 
 
 def horovods(spec: str, np: int) -> dict[str, int] | None:
+    # imported here, not at collection: scripts/test.sh may be building Horovod (tests/horovod_build.py)
+    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+
     try:
         assigned = get_host_assignments(parse_hosts(spec), np, np)
     except ValueError:

@@ -1,6 +1,7 @@
 """scripts/setup.sh: the main job's lean environment (requirements/main.txt, installed with uv) and the
 developer environment, each pin written once, the key of each environment covering what it is built
-from, and the developer environment reused by scripts/main.sh once it is complete."""
+from, the developer environment reused by scripts/main.sh once it is complete, and Horovod's build
+left for later (scripts/test.sh builds it beside the tests)."""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def checkout(tmp_path: Path) -> Path:
     root = tmp_path / "checkout"
     (root / "scripts").mkdir(parents=True)
     shutil.copytree(REQUIREMENTS, root / "requirements")
-    for script in ("setup.sh", "build-horovod.sh"):
+    for script in ("setup.sh", "build-horovod.sh", "deepspeed-ops.sh"):
         shutil.copy(ROOT / "scripts" / script, root / "scripts" / script)
     return root
 
@@ -136,3 +137,55 @@ def test_the_main_job_runs_in_a_complete_developer_environment_and_else_in_its_o
     assert setup_main(root, cache) == developer  # no second install once test.sh's environment exists
     (developer / ".complete").unlink()  # a developer environment cut short is not used
     assert setup_main(root, cache) == lean
+
+
+# A python that records how it is called and answers build-horovod.sh's question about torch: a CPU
+# build (no CUDA version), "TORCH" for the cache key's torch part, no GPU architectures.
+RECORDING_PYTHON = """#!/bin/sh
+echo "$*" >> "$(dirname "$0")/../calls"
+case "$*" in *torch.version.cuda*) printf '\\nTORCH\\n\\n' ;; esac
+exit 0
+"""
+
+
+def test_horovod_not_built_yet_is_left_for_later_and_installed_by_setup_horovod(tmp_path: Path) -> None:
+    root, cache = checkout(tmp_path), tmp_path / "cache"
+    files = [f"requirements/{name}.txt" for name in ("main", "dev", "nodeps", "sdist", "backends")]
+    venv = environment(cache, f"venv-{key(root, *files, 'scripts/build-horovod.sh')}")
+    (venv / "bin" / "python").write_text(RECORDING_PYTHON)
+    env = {**os.environ, "SPIKINGSAIL_CACHE": str(cache), "PYTHON": sys.executable}
+
+    def setup(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        if venv.exists():
+            (venv / "calls").write_text("")
+        return subprocess.run(["bash", str(root / "scripts" / "setup.sh"), *args], env={**env, **extra},
+                              capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+
+    later = setup("--backends", SAIL_HOROVOD_LATER="1")
+    assert later.returncode == 0, later.stderr
+    assert "scripts/setup.sh --horovod builds and installs it" in later.stdout
+    assert not (venv / ".backends-complete").exists()  # the environment is not complete without it
+    calls = (venv / "calls").read_text()
+    assert "pip install --quiet -r" in calls and ".whl" not in calls  # the backends' pins, no wheel
+
+    wheel = (
+        cache
+        / "wheels"
+        / "horovod-0.28.1-TORCH-release-gloo-mpi"
+        / "horovod-0.28.1-cp311-cp311-linux_x86_64.whl"
+    )
+    wheel.parent.mkdir(parents=True)
+    wheel.write_text("")  # what build-horovod.sh leaves in the cache once it has built
+    done = setup("--horovod")
+    assert done.returncode == 0, done.stderr
+    assert f"-m pip install --quiet --no-deps {wheel}" in (venv / "calls").read_text()
+    assert (venv / ".backends-complete").exists()
+
+    (venv / ".backends-complete").unlink()  # with the wheel built, nothing is left for later
+    at_once = setup("--backends", SAIL_HOROVOD_LATER="1")
+    assert at_once.returncode == 0, at_once.stderr
+    assert f"--no-deps {wheel}" in (venv / "calls").read_text() and (venv / ".backends-complete").exists()
+
+    shutil.rmtree(venv)
+    missing = setup("--horovod")
+    assert missing.returncode == 1 and "run scripts/setup.sh --backends" in missing.stderr

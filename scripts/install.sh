@@ -5,5 +5,15 @@
 # scripts/test.sh (CI) runs it too, so the image's install steps are tested on every CI run.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-bash "$root/scripts/system-deps.sh"  # first: the environment's Horovod build needs the compilers
-bash "$root/scripts/setup.sh" --backends
+# Debian's packages install while the Python environment downloads (both wait on the network more
+# than on the CPU); setup.sh waits for them before the backends (mpi4py and Horovod's build need
+# Open MPI and the compilers), reading the status file they leave.
+deps=$(mktemp -d)
+trap 'rm -rf "$deps"' EXIT
+(code=0; bash "$root/scripts/system-deps.sh" > "$deps/log" 2>&1 || code=$?; echo "$code" > "$deps/tmp" && mv "$deps/tmp" "$deps/status") &
+code=0
+SAIL_SYSTEM_DEPS="$deps" bash "$root/scripts/setup.sh" --backends || code=$?
+wait
+cat "$deps/log"
+if [ "$code" != 0 ]; then exit "$code"; fi
+exit "$(cat "$deps/status")"

@@ -136,7 +136,19 @@ if [ "${1:-}" = "--main" ] && [ ! -f "$venv/.complete" ]; then
 elif [ ! -f "$venv/.complete" ]; then
   developer_environment
 fi
+system_packages() {  # scripts/install.sh installs Debian's packages meanwhile: wait for them, once
+  local deps=${SAIL_SYSTEM_DEPS:-}
+  [ -n "$deps" ] || return 0
+  while [ ! -f "$deps/status" ]; do sleep 0.2; done
+  if [ "$(cat "$deps/status")" != 0 ]; then
+    echo "[setup] Debian's packages failed to install (scripts/system-deps.sh):" >&2
+    cat "$deps/log" >&2
+    exit 1
+  fi
+}
+
 if [ "${1:-}" = "--backends" ] && [ ! -f "$venv/.backends-complete" ]; then
+  system_packages
   echo "[setup] adding DeepSpeed and Horovod (first run on this machine: about a minute and a half, 4 if Horovod must be built)"
   DS_BUILD_OPS=0 "$venv/bin/python" -m pip install --quiet -r "$root/requirements/backends.txt"
   later=0

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,3 +190,31 @@ def test_horovod_not_built_yet_is_left_for_later_and_installed_by_setup_horovod(
     shutil.rmtree(venv)
     missing = setup("--horovod")
     assert missing.returncode == 1 and "run scripts/setup.sh --backends" in missing.stderr
+
+
+def test_the_backends_wait_for_debians_packages_installed_meanwhile_and_stop_if_they_failed(
+    tmp_path: Path,
+) -> None:
+    root, cache, deps = checkout(tmp_path), tmp_path / "cache", tmp_path / "deps"
+    files = [f"requirements/{name}.txt" for name in ("main", "dev", "nodeps", "sdist", "backends")]
+    venv = environment(cache, f"venv-{key(root, *files, 'scripts/build-horovod.sh')}")
+    (venv / "bin" / "python").write_text(RECORDING_PYTHON)
+    deps.mkdir()
+    env = {**os.environ, "SPIKINGSAIL_CACHE": str(cache), "PYTHON": sys.executable, "SAIL_SYSTEM_DEPS": str(deps),
+           "SAIL_HOROVOD_LATER": "1"}  # fmt: skip
+    setup = subprocess.Popen(["bash", str(root / "scripts" / "setup.sh"), "--backends"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(1)
+    assert setup.poll() is None and not (venv / "calls").exists()  # nothing of the backends yet
+    (deps / "log").write_text("E: Unable to locate package pdsh\n")
+    (deps / "status").write_text("100")
+    out, err = setup.communicate(timeout=60)
+    assert setup.returncode == 1, out + err
+    assert "Debian's packages failed to install" in err and "Unable to locate package pdsh" in err
+    assert not (venv / "calls").exists()
+
+    (deps / "status").write_text("0")
+    done = subprocess.run(["bash", str(root / "scripts" / "setup.sh"), "--backends"], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "pip install --quiet -r" in (venv / "calls").read_text()

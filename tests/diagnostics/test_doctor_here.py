@@ -42,6 +42,7 @@ def judged() -> list[Any]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.horovod  # the report's Horovod row names its controllers
 def test_a_healthy_machine_passes_with_a_real_all_reduce() -> None:
     code, report = sail_doctor()
     assert code == 0, [f for f in report["findings"] if f["status"] != "ok"]

@@ -8,8 +8,8 @@ if the build failed. Without the variable (Horovod installed before the tests) n
 
 A test is marked ``horovod`` when its id names Horovod (its file, name or parameters: a Horovod
 backend, horovodrun, a page on Horovod); a test that needs Horovod without naming it carries the
-mark itself. The lanes run the marked tests last in the first phase (tests/lanes.py), when the
-build is most likely over.
+mark itself. The lanes run the marked tests once two fifths of the others have run
+(tests/lanes.py), when the build is most likely over.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ trap 'kill $beside 2>/dev/null || true; if [ -n "$horovod" ]; then kill -- "-$ho
 if [ ! -f "$(cd .venv && pwd -P)/.backends-complete" ]; then
   # Horovod's build, in a process group of its own and at a lower priority than the tests: it takes
   # the cores they leave idle (they wait on processes and sockets a tenth of the time). A test that
-  # needs Horovod (marked `horovod`, tests/conftest.py) waits for it, and the `alone` phase starts
+  # needs Horovod (marked `horovod`, tests/horovod_build.py) waits for it, and the `alone` phase starts
   # after it. The status file holds the build's exit status once it has ended.
   export SAIL_TEST_HOROVOD_STATUS=$scratch/horovod.status
   setsid bash -c 'code=0; nice -n 10 bash scripts/setup.sh --horovod > "$1.log" 2>&1 || code=$?

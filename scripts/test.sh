@@ -45,7 +45,7 @@ run() {  # run LABEL MARKS: pytest on the tests the marks select, in a scratch d
   (
     if mkdir "$group" 2>/dev/null; then echo "$BASHPID" > "$group/cgroup.procs"; fi
     exec .venv/bin/pytest -p no:cacheprovider --basetemp "$scratch/$1" --junitxml "$scratch/$1.xml" \
-      -m "$only$2" "${rest[@]+"${rest[@]}"}"
+      -m "$only$2" "${rest[@]+"${rest[@]}"}" "${files[@]+"${files[@]}"}"
   )
 }
 outcome() {  # the worst status so far; 5 (no test selected) only where no run selected any
@@ -100,6 +100,10 @@ share() {  # share BY: the next phase's lanes share their tests by file or by te
   SAIL_TEST_SHARE=$(mktemp -d "$scratch/share-XXXX")
 }
 share file
+# The first phase's lanes collect every test; they write the files that hold the later phases' tests
+# (tests/lanes.py), which those phases' lanes then collect alone, unless the caller named paths.
+files=() SAIL_TEST_LATER=$scratch/later
+export SAIL_TEST_LATER
 lanes rest "not cluster and not alone" cluster "not alone" lint -
 if [ -n "$horovod" ]; then  # the build beside the first phase: ended before the timing-bound tests
   wait "$horovod" || true
@@ -110,6 +114,10 @@ if [ -n "$horovod" ]; then  # the build beside the first phase: ended before the
     status=1
   fi
 fi
+unset SAIL_TEST_LATER
+named=0
+for arg in "${rest[@]+"${rest[@]}"}"; do if [ -e "${arg%%::*}" ]; then named=1; fi; done
+if [ "$named" = 0 ] && [ -s "$scratch/later" ]; then mapfile -t files < "$scratch/later"; fi
 share test
 lanes alone "alone and not speed" alone2 "alone and not cluster and not speed" \
   alone3 "alone and not cluster and not speed"

@@ -7,6 +7,10 @@ unit is a test file by default (its module fixtures are set up once), or a singl
 ``SAIL_TEST_SHARE_BY=test`` (for a phase of a few long tests). So a lane that finishes its share
 early takes on work the other would have had, whatever this machine's speed.
 
+With ``SAIL_TEST_LATER`` set to a file, a lane writes there the test files that hold a test marked
+``alone`` (selected or not): the later phases' lanes, which select only those tests, then collect
+only those files (collecting all of them costs each lane about 12 CPU-s, four lanes in all).
+
 The namespace cluster's tests are selected by one lane only (there is one cluster on the machine):
 that lane runs them first, then claims the other units from the end of the list while the other
 lanes claim from its start, so that the lanes meet rather than race for the same units.
@@ -24,6 +28,8 @@ import pytest
 SHARE = "SAIL_TEST_SHARE"
 SHARE_BY = "SAIL_TEST_SHARE_BY"
 SUITE = "SAIL_SUITE_MARK"  # set by scripts/test.sh for all its lanes
+LATER = "SAIL_TEST_LATER"
+LATER_MARK = "alone"  # the mark of every test of the phases after the first (scripts/test.sh)
 
 # The lanes are pytest processes on one checkout: the first to import a test module keeps pytest's
 # assertion-rewritten code of it (__pycache__/*-pytest-*.pyc) and the later ones read it, 3.7 of a
@@ -61,6 +67,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     forward = [*others[:cut], *(unit for unit in later if unit not in cluster), *others[cut:]]
     order = [*cluster, *reversed(forward)] if cluster else forward
     items[:] = [item for unit in order for item in units[unit]]
+
+
+_DESELECTED: list[pytest.Item] = []
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    _DESELECTED.extend(items)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    path = os.environ.get(LATER)
+    if not path:
+        return
+    files = sorted({item.nodeid.split("::")[0] for item in [*session.items, *_DESELECTED]
+                    if LATER_MARK in item.keywords})  # fmt: skip
+    # every lane of the phase writes the same list: each its own file first, then renamed into place
+    own = Path(f"{path}.{os.getpid()}")
+    own.write_text("".join(f"{name}\n" for name in files))
+    own.replace(path)
 
 
 class _Claims:

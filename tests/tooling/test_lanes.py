@@ -25,6 +25,7 @@ def pytest_collection_modifyitems(items):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cluster: needs the one cluster")
+    config.addinivalue_line("markers", "alone: a later phase's")
 """
 
 # Each file's module fixture records its set-up and tear-down, with the tests run between them: a
@@ -61,14 +62,18 @@ def write_tests(directory: Path, files: int = 6) -> None:
 
 
 def lane(
-    directory: Path, share: str | None, by: str, marks: str, log: Path, xml: Path
-) -> subprocess.Popen[str]:
+    directory: Path, share: str | None, by: str, marks: str, log: Path, xml: Path,
+    later: Path | None = None, paths: list[str] | None = None,
+) -> subprocess.Popen[str]:  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LANES_LOG": str(log), "SAIL_TEST_SHARE_BY": by}
     env.pop("SAIL_TEST_SHARE", None)
+    env.pop("SAIL_TEST_LATER", None)
     if share:
         env["SAIL_TEST_SHARE"] = share
+    if later:
+        env["SAIL_TEST_LATER"] = str(later)
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", marks,
-               "--junitxml", str(xml), "--rootdir", str(directory), str(directory)]  # fmt: skip
+               "--junitxml", str(xml), "--rootdir", str(directory), *(paths or [str(directory)])]  # fmt: skip
     return subprocess.Popen(command, cwd=directory, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip
 
@@ -153,3 +158,28 @@ def test_a_lane_of_the_suite_keeps_pytests_rewritten_modules_for_the_next_even_w
     assert process.returncode == 0, output
     rewritten = sorted(p.name.split(".")[0] for p in tests.glob("__pycache__/test_*-pytest-*.pyc"))
     assert rewritten == (["test_f0", "test_f1"] if in_suite else [])
+
+
+def test_a_first_phase_lane_names_the_files_of_the_later_phases_tests_selected_or_not(tmp_path: Path) -> None:
+    """With SAIL_TEST_LATER a lane writes the files that hold a test marked ``alone``, whether its -m
+    selected them or not: scripts/test.sh's later phases collect only those."""
+    tests, log = tmp_path / "suite", tmp_path / "log"
+    tests.mkdir()
+    write_tests(tests, files=3)
+    (tests / "test_f0.py").write_text(
+        "import pytest\npytestmark = pytest.mark.alone\n" + (tests / "test_f0.py").read_text()
+    )
+    source = (tests / "test_f2.py").read_text()
+    (tests / "test_f2.py").write_text(source + "\n@pytest.mark.alone\ndef test_one_alone():\n    pass\n")
+    later = tmp_path / "later"
+    for marks in ("not alone", "", "alone"):
+        later.unlink(missing_ok=True)
+        process = lane(tests, None, "file", marks, log, tmp_path / "all.xml", later=later)
+        output, _ = process.communicate(timeout=120)
+        assert process.returncode == 0, output
+        assert later.read_text().splitlines() == ["test_f0.py", "test_f2.py"], marks
+    # the later phase's lane, given those files, runs what it ran collecting them all (the last above)
+    process = lane(tests, None, "file", "alone", log, tmp_path / "named.xml", paths=later.read_text().split())
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    assert sorted(ran(tmp_path / "named.xml")) == sorted(ran(tmp_path / "all.xml"))

@@ -8,7 +8,7 @@ unit is a test file by default (its module fixtures are set up once), or a singl
 early takes on work the other would have had, whatever this machine's speed.
 
 With ``SAIL_TEST_LATER`` set to a file, a lane writes there the test files that hold a test marked
-``alone`` (selected or not): the later phases' lanes, which select only those tests, then collect
+``alone`` or ``speed`` (selected or not): the later phases' lanes, which select only those tests, then collect
 only those files (collecting all of them costs each lane about 12 CPU-s, four lanes in all).
 
 The namespace cluster's tests are selected by one lane only (there is one cluster on the machine):
@@ -29,7 +29,7 @@ SHARE = "SAIL_TEST_SHARE"
 SHARE_BY = "SAIL_TEST_SHARE_BY"
 SUITE = "SAIL_SUITE_MARK"  # set by scripts/test.sh for all its lanes
 LATER = "SAIL_TEST_LATER"
-LATER_MARK = "alone"  # the mark of every test of the phases after the first (scripts/test.sh)
+LATER_MARKS = ("alone", "speed")  # the marks the phases after the first select (scripts/test.sh)
 
 # The lanes are pytest processes on one checkout: the first to import a test module keeps pytest's
 # assertion-rewritten code of it (__pycache__/*-pytest-*.pyc) and the later ones read it, 3.7 of a
@@ -81,7 +81,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if not path:
         return
     files = sorted({item.nodeid.split("::")[0] for item in [*session.items, *_DESELECTED]
-                    if LATER_MARK in item.keywords})  # fmt: skip
+                    if any(mark in item.keywords for mark in LATER_MARKS)})  # fmt: skip
     # every lane of the phase writes the same list: each its own file first, then renamed into place
     own = Path(f"{path}.{os.getpid()}")
     own.write_text("".join(f"{name}\n" for name in files))

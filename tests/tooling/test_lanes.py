@@ -26,6 +26,7 @@ def pytest_collection_modifyitems(items):
 def pytest_configure(config):
     config.addinivalue_line("markers", "cluster: needs the one cluster")
     config.addinivalue_line("markers", "alone: a later phase's")
+    config.addinivalue_line("markers", "speed: the last phase's")
 """
 
 # Each file's module fixture records its set-up and tear-down, with the tests run between them: a
@@ -161,8 +162,8 @@ def test_a_lane_of_the_suite_keeps_pytests_rewritten_modules_for_the_next_even_w
 
 
 def test_a_first_phase_lane_names_the_files_of_the_later_phases_tests_selected_or_not(tmp_path: Path) -> None:
-    """With SAIL_TEST_LATER a lane writes the files that hold a test marked ``alone``, whether its -m
-    selected them or not: scripts/test.sh's later phases collect only those."""
+    """With SAIL_TEST_LATER a lane writes the files that hold a test marked ``alone`` or ``speed``,
+    whether its -m selected them or not: scripts/test.sh's later phases collect only those."""
     tests, log = tmp_path / "suite", tmp_path / "log"
     tests.mkdir()
     write_tests(tests, files=3)
@@ -171,13 +172,15 @@ def test_a_first_phase_lane_names_the_files_of_the_later_phases_tests_selected_o
     )
     source = (tests / "test_f2.py").read_text()
     (tests / "test_f2.py").write_text(source + "\n@pytest.mark.alone\ndef test_one_alone():\n    pass\n")
+    (tests / "speed").mkdir()  # a speed test's file, in a directory of its own
+    (tests / "speed" / "test_s.py").write_text("import pytest\n\n@pytest.mark.speed\ndef test_s():\n    pass\n")
     later = tmp_path / "later"
     for marks in ("not alone", "", "alone"):
         later.unlink(missing_ok=True)
         process = lane(tests, None, "file", marks, log, tmp_path / "all.xml", later=later)
         output, _ = process.communicate(timeout=120)
         assert process.returncode == 0, output
-        assert later.read_text().splitlines() == ["test_f0.py", "test_f2.py"], marks
+        assert later.read_text().splitlines() == ["speed/test_s.py", "test_f0.py", "test_f2.py"], marks
     # the later phase's lane, given those files, runs what it ran collecting them all (the last above)
     process = lane(tests, None, "file", "alone", log, tmp_path / "named.xml", paths=later.read_text().split())
     output, _ = process.communicate(timeout=120)

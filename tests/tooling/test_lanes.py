@@ -173,7 +173,9 @@ def test_a_first_phase_lane_names_the_files_of_the_later_phases_tests_selected_o
     source = (tests / "test_f2.py").read_text()
     (tests / "test_f2.py").write_text(source + "\n@pytest.mark.alone\ndef test_one_alone():\n    pass\n")
     (tests / "speed").mkdir()  # a speed test's file, in a directory of its own
-    (tests / "speed" / "test_s.py").write_text("import pytest\n\n@pytest.mark.speed\ndef test_s():\n    pass\n")
+    (tests / "speed" / "test_s.py").write_text(
+        "import pytest\n\n@pytest.mark.speed\ndef test_s():\n    pass\n"
+    )
     later = tmp_path / "later"
     for marks in ("not alone", "", "alone"):
         later.unlink(missing_ok=True)

@@ -1,7 +1,7 @@
 """Replica groups over the two nodes (``sail launch --ft-replicas 2 -H``): one group per node, the
 lighthouse on node1 where sail runs. Real faults: node2's torchrun agent SIGKILLed, and a 5 s network
 cut between the nodes (iptables). The job goes on, node2's group heals from node1's, and the run
-equals one process on the whole global batch (tests/fault/test_replicas.py has the checks)."""
+equals one process on the whole global batch (tests/fault/replicas.py has the checks)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 
 from tests.cluster.harness import NamespaceCluster
-from tests.fault.test_replica_exposure import listening, loopback
-from tests.fault.test_replicas import (
+from tests.fault.replicas import (
     EPOCHS,
     STEPS_PER_EPOCH,
     WORKER,
-    _wait_for_worker,
     assert_trained_as_one_process,
+    wait_for_worker,
 )
+from tests.fault.test_replica_exposure import listening, loopback
 
 pytestmark = [pytest.mark.cluster, pytest.mark.alone]
 SAIL = [sys.executable, "-m", "spikingsail.cli.main", "launch"]
@@ -83,7 +83,7 @@ def test_node2s_agent_killed_the_group_is_started_again_and_heals_from_node1(
     # min_replicas 2: group 0 waits for group 1's restart (ssh, torchrun and the engine take 15-25 s
     # here, more on a loaded machine) instead of racing it to the end of the run
     job, out = start(cluster, tmp_path, "--min-replicas", "2")
-    worker = _wait_for_worker(out, 1)
+    worker = wait_for_worker(out, 1)
     agent = agent_on(cluster, "node2")
     os.kill(agent, signal.SIGKILL)
     output = finish(job, out)
@@ -103,8 +103,8 @@ def test_a_5_second_network_cut_leaves_node2s_group_out_and_it_heals(
     addresses, never on every interface (``assert_listening_on_the_nodes_own_addresses``)."""
     job, out = start(cluster, tmp_path)
     try:
-        _wait_for_worker(out, 1)
-        _wait_for_worker(out, 0)
+        wait_for_worker(out, 1)
+        wait_for_worker(out, 0)
         assert_listening_on_the_nodes_own_addresses(cluster, torchft_sockets(cluster))
     except BaseException:
         job.send_signal(signal.SIGINT)

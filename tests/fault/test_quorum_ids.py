@@ -1,7 +1,7 @@
 """Quorum ids that name their members (``replica_transport.QuorumIds``), over torchft's own
 ``QuorumResult``: what every member of a quorum computes alike, and what tells two quorums apart
-when a lighthouse started again reuses a number. ``tests/fault/test_replicas.py`` runs the case end
-to end (a group that kept its old process group crashed)."""
+when a lighthouse started again reuses a number. ``tests/fault/test_replica_lighthouse.py`` runs the case
+end to end (a group that kept its old process group crashed)."""
 
 from __future__ import annotations
 

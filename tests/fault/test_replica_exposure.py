@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.fault.test_replicas import _wait_for_worker, launch
+from tests.fault.replicas import launch, wait_for_worker
 from tests.multiprocess import run_ranks
 from tests.neighbour import python_as_neighbour
 
@@ -87,7 +87,7 @@ def test_every_torchft_service_of_a_job_on_one_machine_listens_on_loopback_only(
     out = tmp_path / "run"
     job = launch(out, "--step-sleep", "0.5", wait=False)
     try:
-        workers = [_wait_for_worker(out, group) for group in (0, 1)]
+        workers = [wait_for_worker(out, group) for group in (0, 1)]
         processes = descendants(job.pid)
         lighthouse = next(pid for pid, command in processes.items() if "torchft_lighthouse" in command)
         torchft = {pid: listening(pid) for pid in [job.pid, lighthouse, *workers]}

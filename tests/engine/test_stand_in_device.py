@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 import spikingsail
 from spikingsail.backends import process_group
-from spikingsail.checkpoint.engine_state import restore_grads
+from spikingsail.checkpoint.rank_state import restore_grads
 from spikingsail.data.digits import load_digits_split
 from spikingsail.diagnostics import probe
 from spikingsail.environments import RankInfo
@@ -119,7 +119,7 @@ class FakeGPUs:
 def test_a_ranks_gpu_stream_follows_the_rank_to_a_node_with_fewer_gpus(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from spikingsail.checkpoint.engine_state import capture_rng, restore_rng
+    from spikingsail.checkpoint.rank_state import capture_rng, restore_rng
 
     eight = FakeGPUs(8)
     monkeypatch.setattr(torch.cuda, "get_rng_state", eight.get_rng_state)
@@ -138,7 +138,7 @@ def test_a_ranks_gpu_stream_follows_the_rank_to_a_node_with_fewer_gpus(
 def test_an_older_checkpoints_per_index_streams_restore_the_ranks_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from spikingsail.checkpoint.engine_state import capture_rng, restore_rng
+    from spikingsail.checkpoint.rank_state import capture_rng, restore_rng
 
     state = capture_rng(torch.device("cpu"))
     state["cuda"] = [torch.tensor([i]) for i in range(8)]

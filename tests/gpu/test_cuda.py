@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import spikingsail
-from spikingsail.checkpoint.engine_state import capture_rng, restore_rng
+from spikingsail.checkpoint.rank_state import capture_rng, restore_rng
 from spikingsail.data.digits import load_digits_split
 from spikingsail.errors import BackendError
 from spikingsail.precision import BF16Precision

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import spikingsail
-from spikingsail.backends.deepspeed import _without
+from spikingsail.backends.deepspeed_import import _without
 from spikingsail.environments import RankInfo
 from spikingsail.errors import BackendError, SailError
 from tests.multiprocess import run_ranks, train_micro_steps
@@ -298,7 +298,7 @@ def test_deepspeed_is_imported_without_mlflow_and_the_scripts_own_import_of_it_w
     the backend imports DeepSpeed as where it is not, and the script's own import is unaffected."""
     script = (
         "import sys\n"
-        "from spikingsail.backends.deepspeed import import_deepspeed\n"
+        "from spikingsail.backends.deepspeed_import import import_deepspeed\n"
         "import_deepspeed('here')\n"
         "from deepspeed.autotuning import autotuner\n"
         "print(autotuner.has_mlflow, 'mlflow' in sys.modules)\n"
@@ -454,7 +454,7 @@ def test_arch_lists_deepspeed_cannot_read_stop_with_the_entries_and_a_list_it_re
 ) -> None:
     from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
 
-    from spikingsail.backends.deepspeed import initialize_error
+    from spikingsail.backends.deepspeed_import import initialize_error
     from spikingsail.cuda_arch_list import readable_cuda_archs
 
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)

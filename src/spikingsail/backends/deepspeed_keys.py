@@ -22,7 +22,7 @@ def read(handed: Mapping[str, Any], world_size: int, where: str) -> frozenset[st
     ``world_size`` data-parallel processes (those it knows); its refusal as a ``ConfigError`` naming
     ``where`` and the key it refuses. None when DeepSpeed does not import here (the deepspeed
     backend then says why when it is chosen)."""
-    from spikingsail.backends.deepspeed import deepspeed_without_mlflow
+    from spikingsail.backends.deepspeed_import import deepspeed_without_mlflow
 
     try:
         deepspeed = deepspeed_without_mlflow()

@@ -19,6 +19,9 @@ from tests.cgroups import cpu_quota_group
 from tests.cluster.harness import NamespaceCluster
 from tests.ninja import NINJA_DIR
 
+# A helper module of several test files: its asserts say what differed, as a test module's do.
+pytest.register_assert_rewrite("tests.fault.replicas")
+
 # how scripts/test.sh's lanes share out the tests, the CPU time each test costs, and the wait for a
 # Horovod built beside them
 pytest_plugins = ["tests.lanes", "tests.cpu_time", "tests.horovod_build"]

@@ -175,7 +175,7 @@ def gloo_threads(backend: str, stage: int | None) -> tuple[list[str], list[str]]
     def names() -> list[str]:
         found = []
         for task in Path("/proc/self/task").iterdir():
-            with contextlib.suppress(FileNotFoundError):  # ended since the listing
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # ended since the listing
                 if "gloo" in (name := (task / "comm").read_text().strip()):
                     found.append(name)
         return sorted(found)

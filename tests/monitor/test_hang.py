@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,66 @@ def test_a_run_that_progresses_is_never_reported(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert not list(log_dir.glob("hang-report-*.json"))
     assert "sail: hang" not in result.stderr
+    assert_nothing_left(log_dir)
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[Path]:
+    """A 32 MB ext4 filesystem on a loop device, whose writes ``fsfreeze`` can hold as a busy or
+    failing disk does; thawed and unmounted whatever the test did. Needs root (as in CI)."""
+    image, mount = tmp_path / "disk.img", tmp_path / "disk"
+    with image.open("wb") as file:
+        file.truncate(32 << 20)
+    subprocess.run(["mkfs.ext4", "-q", str(image)], check=True)
+    mount.mkdir()
+    subprocess.run(["mount", "-o", "loop", str(image), str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["fsfreeze", "--unfreeze", str(mount)], capture_output=True, check=False)  # if frozen
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a loop device needs root")
+def test_a_stalled_disk_under_the_temporary_directory_stalls_no_step(tmp_path: Path, disk: Path) -> None:
+    """The records are in shared memory (/dev/shm): with TMPDIR on a disk whose writes are held for
+    3 s mid-run, a 1-second hang timeout reports nothing. A record in a file on that disk made its
+    rank's next store wait in D state for the whole stall, and the watch ended the job."""
+    log_dir, until = tmp_path / "log", tmp_path / "until"
+    argv = [
+        *SAIL,
+        "-n",
+        "2",
+        str(JOB),
+        str(log_dir),
+        "--timeout",
+        "1",
+        "--fault",
+        "none",
+        "--until",
+        str(until),
+    ]
+    process = subprocess.Popen(
+        argv, cwd=tmp_path, env={**os.environ, "TMPDIR": str(disk)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not all((log_dir / f"pid{rank}").exists() for rank in (0, 1)):
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+            time.sleep(0.1)
+        time.sleep(1)  # training: the watch judges from the first training call on
+        subprocess.run(["fsfreeze", "--freeze", str(disk)], check=True)  # writes back, then holds writes
+        try:
+            time.sleep(3)
+        finally:
+            subprocess.run(["fsfreeze", "--unfreeze", str(disk)], check=True)
+        assert process.poll() is None, process.communicate()[1][-3000:]
+    finally:
+        until.touch()
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr[-3000:]
+    assert not list(log_dir.glob("hang-report-*.json")) and "sail: hang" not in stderr
     assert_nothing_left(log_dir)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from spikingsail.checkpoint.store import LATEST
 from spikingsail.errors import CheckpointError, first_line
+from spikingsail.mounts import mount_of
 
 log = logging.getLogger(__name__)
 
@@ -91,23 +92,10 @@ def read_only(path: Path) -> bool:
 def filesystem(path: Path) -> str:
     """``MOUNTPOINT (TYPE on DEVICE)`` for the filesystem holding ``path``."""
     existing = _existing(path)
-    best: tuple[str, str, str] | None = None
-    try:
-        lines = Path("/proc/self/mounts").read_text().splitlines()
-    except OSError:
-        lines = []
-    target = str(existing.resolve()) if existing is not None else ""
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        device, mount, kind = fields[0], fields[1].replace("\\040", " "), fields[2]
-        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
-        if inside and (best is None or len(mount) >= len(best[1])):
-            best = (device, mount, kind)
-    if best is None:
+    found = mount_of(existing) if existing is not None else None
+    if found is None:
         return f"the filesystem of {existing or path}"
-    return f"{best[1]} ({best[2]} on {best[0]})"
+    return f"{found.point} ({found.kind} on {found.device})"
 
 
 def _existing(path: Path) -> Path | None:

@@ -1,8 +1,8 @@
 """Each rank's progress, published for its node's hang watch (``sail.hang_timeout_seconds``).
 
-A rank writes a fixed-size record into a small shared-memory file when it enters and leaves each of
-the engine's calls: its optimizer step and micro-step, the call, how many of the engine's collectives
-it has entered (the watch notes when each record appeared). That is a few stores into one page of
+A rank writes a fixed-size record into a small shared-memory file (in ``/dev/shm``) when it enters
+and leaves each of the engine's calls: its optimizer step and micro-step, the call, how many of the
+engine's collectives it has entered (the watch notes when each record appeared). That is a few stores into one page of
 shared memory — no system call, no clock read, and no collective that could itself hang. The node's
 watch (``hangwatch``, a process of its own started by the node's lowest rank) reads the records and
 decides, with the other nodes' watches, when the job has stopped making progress.
@@ -51,6 +51,11 @@ from spikingsail.monitor.hangreport import (
     WHERE,
 )
 from spikingsail.monitor.hangwatch import Spec
+from spikingsail.mounts import in_memory
+
+SHARED_MEMORY = Path("/dev/shm")  # noqa: S108 (a private directory with a random name: _private_directory)
+"""Where the records live when it is a memory filesystem, as it is on Linux (POSIX shared memory's,
+and where DataLoader workers hand over their batches)."""
 
 STACK_SIGNAL = signal.SIGUSR2
 """Without py-spy, the watch asks a rank for its Python stacks with this signal (faulthandler)."""
@@ -172,7 +177,7 @@ def start(
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, mine)
     hosts = [str(h) for h, *_ in everyone]
-    directory = _private_directory(Path(tempfile.gettempdir()) / f"sail-heartbeat-{everyone[0][1]}")
+    directory = _private_directory(records_root() / f"sail-heartbeat-{everyone[0][1]}")
     beat = Heartbeat(directory / f"rank-{rank}", None if spy else directory / f"rank-{rank}.stacks")
     node_ranks = [r for r, h in enumerate(hosts) if h == host]
     spec = Spec(
@@ -212,9 +217,19 @@ def start(
     return beat, process
 
 
+def records_root() -> Path:
+    """Where this node's records go: shared memory, else the temporary directory. A store into a
+    page of a file on disk can wait for the filesystem (the page fault after each writeback goes
+    through its journal): seconds in D state on a busy disk or an NFS /tmp, in the middle of a
+    training step, which the watch would also take for a hang. In memory it never waits."""
+    if SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK | os.X_OK) and in_memory(SHARED_MEMORY):
+        return SHARED_MEMORY
+    return Path(tempfile.gettempdir())
+
+
 def _private_directory(path: Path) -> Path:
     """``path``, a directory only this user can enter: the records tell the watch which pids to
-    kill. The name is random; nodes sharing /tmp share it, so it may exist already, as ours."""
+    kill. The name is random; nodes sharing /dev/shm or /tmp share it, so it may exist already, as ours."""
     path.mkdir(mode=0o700, exist_ok=True)
     info = path.lstat()
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:

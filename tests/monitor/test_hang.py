@@ -169,10 +169,10 @@ def test_a_stalled_disk_under_the_temporary_directory_stalls_no_step(tmp_path: P
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 90
-        while not all((log_dir / f"pid{rank}").exists() for rank in (0, 1)):
+        # both train: the watch judges from the first training call on, and each record has been stored to
+        while not all((log_dir / f"training{rank}").exists() for rank in (0, 1)):
             assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
             time.sleep(0.1)
-        time.sleep(1)  # training: the watch judges from the first training call on
         subprocess.run(["fsfreeze", "--freeze", str(disk)], check=True)  # writes back, then holds writes
         try:
             time.sleep(3)

@@ -5,9 +5,10 @@ hang_job.py LOG_DIR --fault stop|deadlock|none [--rank R] [--step S] [--timeout 
 
 Rank R, at optimizer step S, either stops itself with a real SIGSTOP or deadlocks in Python (a lock
 it already holds); the other ranks go on into the next step's gradient sync and wait there. Every
-rank writes LOG_DIR/pid{RANK} when it starts, and the rank that started its node's hang watch writes
-LOG_DIR/watch{RANK}.json: the watch's pid and the addresses it listens on. ``--fault none`` trains to
-the end: ``--steps`` steps, or with ``--until`` until FILE exists.
+rank writes LOG_DIR/pid{RANK} when it starts and LOG_DIR/training{RANK} after its second optimizer
+step; the rank that started its node's hang watch writes LOG_DIR/watch{RANK}.json: the watch's pid and
+the addresses it listens on. ``--fault none`` trains to the end: ``--steps`` steps, or with
+``--until`` until FILE exists.
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ def main() -> None:
         x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
         engine.backward(F.cross_entropy(engine(x), y))
         engine.step()
+        if step == 1:
+            (args.log_dir / f"training{engine.rank}").touch()
         time.sleep(0.01)
     engine.close()
 

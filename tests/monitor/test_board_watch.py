@@ -19,7 +19,7 @@ from spikingsail.monitor import board, hangwatch, heartbeat
 from spikingsail.monitor.hangwatch import Spec
 from tests.monitor.jobs.hang_job import listening
 from tests.monitor.test_board import local_addresses
-from tests.monitor.test_hang import JOB, SAIL
+from tests.monitor.test_hang import training
 from tests.neighbour import python_as_neighbour
 
 WATCH = str(Path(hangwatch.__file__).resolve())
@@ -132,20 +132,7 @@ def test_the_watch_listens_only_on_the_address_it_is_given(
 @pytest.mark.multiprocess
 def test_a_neighbour_cannot_act_on_a_running_jobs_board(tmp_path: Path) -> None:
     log_dir, stop, proof = tmp_path / "log", tmp_path / "stop", tmp_path / "proof"
-    argv = [
-        *SAIL,
-        "-n",
-        "2",
-        str(JOB),
-        str(log_dir),
-        "--timeout",
-        "30",
-        "--fault",
-        "none",
-        "--until",
-        str(stop),
-    ]
-    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    job = training(tmp_path, timeout=30, until=stop)
     try:
         deadline = time.monotonic() + 120
         while not (log_dir / "watch0.json").exists():

@@ -39,6 +39,17 @@ def hang(tmp_path: Path, *job_args: str) -> tuple[subprocess.CompletedProcess[st
     return result, json.loads(reports[0].read_text()) if reports else None
 
 
+def training(
+    tmp_path: Path, *, timeout: float, until: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """``sail launch -n 2`` of the job in ``tmp_path``, logging to its ``log``, training until ``until`` exists."""
+    argv = [*SAIL, "-n", "2", str(JOB), str(tmp_path / "log"), "--timeout", str(timeout), "--fault", "none",
+            "--until", str(until)]  # fmt: skip
+    return subprocess.Popen(
+        argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
 def assert_nothing_left(log_dir: Path) -> None:
     """No rank, launcher or watch of this test's job is left: each has the job's log directory on its
     command line (the watch as its report directory). Other tests' jobs may run beside this one."""
@@ -150,23 +161,7 @@ def test_a_stalled_disk_under_the_temporary_directory_stalls_no_step(tmp_path: P
     3 s mid-run, a 1-second hang timeout reports nothing. A record in a file on that disk made its
     rank's next store wait in D state for the whole stall, and the watch ended the job."""
     log_dir, until = tmp_path / "log", tmp_path / "until"
-    argv = [
-        *SAIL,
-        "-n",
-        "2",
-        str(JOB),
-        str(log_dir),
-        "--timeout",
-        "1",
-        "--fault",
-        "none",
-        "--until",
-        str(until),
-    ]
-    process = subprocess.Popen(
-        argv, cwd=tmp_path, env={**os.environ, "TMPDIR": str(disk)},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    process = training(tmp_path, timeout=1, until=until, env={**os.environ, "TMPDIR": str(disk)})
     try:
         deadline = time.monotonic() + 90
         # both train: the watch judges from the first training call on, and each record has been stored to

@@ -3,16 +3,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from spikingsail.errors import SailError
 from spikingsail.monitor import heartbeat
 from spikingsail.mounts import mount_of
+from tests.multiprocess import run_ranks
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
 
 def findmnt(path: Path) -> tuple[str, str, str]:
@@ -66,3 +72,52 @@ def test_a_records_directory_that_is_not_this_users_own_stops_the_job(tmp_path: 
             heartbeat._private_directory(path)
         assert f"{path} is not a private directory of this user" in str(refused.value)
         assert f"remove {path}" in str(refused.value)
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 64 KB tmpfs with no room left, as a container's /dev/shm that DataLoader workers filled."""
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], check=True)
+    try:
+        with contextlib.suppress(OSError), (mount / "filler").open("wb", buffering=0) as filler:
+            while True:  # until ENOSPC
+                filler.write(bytes(4096))
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+@root_only
+def test_a_full_dev_shm_is_passed_over_for_the_temporary_directory(
+    full_tmpfs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert findmnt(full_tmpfs)[1] == "tmpfs"
+    monkeypatch.setattr(heartbeat, "SHARED_MEMORY", full_tmpfs)
+    assert heartbeat.records_root() == Path(tempfile.gettempdir())
+
+
+def _start_with_records_in(root: str) -> str:
+    """In a one-rank job: the hang watch's start, taking ``root`` for shared memory whatever its room."""
+    dist.init_process_group("gloo")
+    try:
+        heartbeat.SHARED_MEMORY, heartbeat.SHARED_MEMORY_FREE = Path(root), 0
+        try:
+            beat, watch = heartbeat.start(rank=0, world_size=1, timeout=5, report_dir=root, board_host=None)
+        except SailError as err:
+            return str(err)
+        heartbeat.stop(watch)
+        beat.close()
+        return "started"
+    finally:
+        dist.destroy_process_group()
+
+
+@root_only
+@pytest.mark.multiprocess
+def test_a_record_that_cannot_be_written_stops_the_start_saying_why(full_tmpfs: Path) -> None:
+    said = run_ranks(_start_with_records_in, 1, str(full_tmpfs))[0]
+    assert said.startswith("sail.hang_timeout_seconds: rank 0 cannot write its progress record in "), said
+    assert "No space left on device" in said and f"make room in {full_tmpfs}" in said, said
+    assert [p.name for p in full_tmpfs.iterdir()] == ["filler"]  # its empty directory removed

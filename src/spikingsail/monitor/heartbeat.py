@@ -57,6 +57,9 @@ SHARED_MEMORY = Path("/dev/shm")  # noqa: S108 (a private directory with a rando
 """Where the records live when it is a memory filesystem, as it is on Linux (POSIX shared memory's,
 and where DataLoader workers hand over their batches)."""
 
+SHARED_MEMORY_FREE = 1 << 20
+"""The room /dev/shm must have left to take the records: a page per rank, 256 ranks' worth."""
+
 STACK_SIGNAL = signal.SIGUSR2
 """Without py-spy, the watch asks a rank for its Python stacks with this signal (faulthandler)."""
 
@@ -178,7 +181,21 @@ def start(
     dist.all_gather_object(everyone, mine)
     hosts = [str(h) for h, *_ in everyone]
     directory = _private_directory(records_root() / f"sail-heartbeat-{everyone[0][1]}")
-    beat = Heartbeat(directory / f"rank-{rank}", None if spy else directory / f"rank-{rank}.stacks")
+    record, stacks = directory / f"rank-{rank}", None if spy else directory / f"rank-{rank}.stacks"
+    try:
+        beat = Heartbeat(record, stacks)
+    except OSError as err:
+        for leftover in (record, stacks):
+            if leftover is not None:
+                with contextlib.suppress(OSError):
+                    leftover.unlink()
+        with contextlib.suppress(OSError):
+            directory.rmdir()  # once empty: the node's other ranks may have theirs there
+        raise SailError(
+            f"sail.hang_timeout_seconds: rank {rank} cannot write its progress record in {directory}",
+            f"{err.strerror or err}; the node's hang watch reads the ranks' records there",
+            f"make room in {directory.parent}, or set sail.hang_timeout_seconds to 0 to train without the hang watch",
+        ) from err
     node_ranks = [r for r, h in enumerate(hosts) if h == host]
     spec = Spec(
         records={str(r): str(directory / f"rank-{r}") for r in node_ranks},
@@ -221,9 +238,13 @@ def records_root() -> Path:
     """Where this node's records go: shared memory, else the temporary directory. A store into a
     page of a file on disk can wait for the filesystem (the page fault after each writeback goes
     through its journal): seconds in D state on a busy disk or an NFS /tmp, in the middle of a
-    training step, which the watch would also take for a hang. In memory it never waits."""
+    training step, which the watch would also take for a hang. In memory it never waits. A
+    /dev/shm with under ``SHARED_MEMORY_FREE`` bytes free (a container's 64 MB that DataLoader
+    workers filled) is passed over: every rank of a node decides the same from the same numbers."""
     if SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK | os.X_OK) and in_memory(SHARED_MEMORY):
-        return SHARED_MEMORY
+        free = os.statvfs(SHARED_MEMORY)
+        if free.f_bavail * free.f_frsize >= SHARED_MEMORY_FREE:
+            return SHARED_MEMORY
     return Path(tempfile.gettempdir())
 
 

@@ -26,6 +26,7 @@ from spikingsail.checkpoint.store import CheckpointStore
 from spikingsail.engine.engine import Engine
 from spikingsail.environments import RankInfo
 from spikingsail.errors import CheckpointError
+from tests.tmpfs import mounted_tmpfs
 
 JOB = Path(__file__).with_name("jobs") / "storage_job.py"
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
@@ -34,13 +35,8 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 16 MB tmpfs (room for a few 2 MB checkpoints), unmounted whatever the test did to it."""
-    mount = tmp_path / "mnt"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], check=True)
-    try:
+    with mounted_tmpfs(tmp_path / "mnt", "16m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def launch(

@@ -17,6 +17,7 @@ from spikingsail.errors import SailError
 from spikingsail.monitor import heartbeat
 from spikingsail.mounts import mount_of
 from tests.multiprocess import run_ranks
+from tests.tmpfs import mounted_tmpfs
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
@@ -77,16 +78,11 @@ def test_a_records_directory_that_is_not_this_users_own_stops_the_job(tmp_path: 
 @pytest.fixture
 def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 64 KB tmpfs with no room left, as a container's /dev/shm that DataLoader workers filled."""
-    mount = tmp_path / "shm"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], check=True)
-    try:
+    with mounted_tmpfs(tmp_path / "shm", "64k") as mount:
         with contextlib.suppress(OSError), (mount / "filler").open("wb", buffering=0) as filler:
             while True:  # until ENOSPC
                 filler.write(bytes(4096))
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 @root_only

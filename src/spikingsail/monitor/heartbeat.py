@@ -2,10 +2,11 @@
 
 A rank writes a fixed-size record into a small shared-memory file (in ``/dev/shm``) when it enters
 and leaves each of the engine's calls: its optimizer step and micro-step, the call, how many of the
-engine's collectives it has entered (the watch notes when each record appeared). That is a few stores into one page of
-shared memory — no system call, no clock read, and no collective that could itself hang. The node's
-watch (``hangwatch``, a process of its own started by the node's lowest rank) reads the records and
-decides, with the other nodes' watches, when the job has stopped making progress.
+engine's collectives it has entered (the watch notes when each record appeared). That is a few
+stores into one page of shared memory — no system call, no clock read, and no collective that could
+itself hang. The node's watch (``hangwatch``, a process of its own started by the node's lowest
+rank) reads the records and decides, with the other nodes' watches, when the job has stopped making
+progress.
 """
 
 from __future__ import annotations

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import os
 import sys
-import threading
 from collections.abc import Callable
 from typing import NoReturn
 
 from spikingsail import __version__
 from spikingsail.errors import SailError
+from spikingsail.exits import exit_now
 from spikingsail.monitor.logs import configure_logging
 
 _USAGE = f"""usage: sail <command> [options]
@@ -69,21 +68,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> NoReturn:
-    """The ``sail`` command: ``main()``, then the interpreter's exit less its last part. The threads
-    are waited for and the atexit handlers run (logging's, temporary files' finalizers, torch's), as
-    in any exit; what is skipped is freeing the process's objects module by module, which the
-    operating system does at once: once torch is imported that teardown costs 0.6 CPU-s and, on a
-    busy machine, seconds of wall time, between a launcher's last word and its exit. An exception
+    """The ``sail`` command: ``main()``, then ``exit_now`` (no teardown of the modules). An exception
     escaping ``main()`` ends the process as usual."""
-    code = main()
-    threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter's exit does first
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            code = code or 120  # as the interpreter reports a failed flush of its standard streams
-    os._exit(code)
+    exit_now(main())
 
 
 if __name__ == "__main__":

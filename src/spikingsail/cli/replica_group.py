@@ -8,6 +8,7 @@ import os
 import sys
 
 from spikingsail.errors import SailError
+from spikingsail.exits import exit_now
 from spikingsail.launchers.replicas import ENV_GROUP_REQUEST, decode_request
 from spikingsail.launchers.run import run_request
 from spikingsail.monitor.logs import configure_logging
@@ -24,4 +25,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

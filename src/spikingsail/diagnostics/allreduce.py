@@ -25,6 +25,7 @@ from spikingsail.backends.process_group import (
 )
 from spikingsail.environments import discover_rank_info
 from spikingsail.errors import SailError
+from spikingsail.exits import exit_now
 
 MARKER = "SAIL_ALLREDUCE "
 ELEMENTS = 1 << 18  # 1 MiB of float32
@@ -62,4 +63,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -31,6 +31,7 @@ from spikingsail.backends.process_group import init_default_group, rank_hosts, r
 from spikingsail.diagnostics.comm_plot import table, write_report
 from spikingsail.environments import RankInfo, discover_rank_info
 from spikingsail.errors import LaunchError, SailError
+from spikingsail.exits import exit_now
 from spikingsail.monitor.logs import configure_logging
 
 log = logging.getLogger(__name__)
@@ -389,4 +390,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

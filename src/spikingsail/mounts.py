@@ -1,7 +1,8 @@
-"""Which mounted filesystem holds a path, read from ``/proc/self/mounts``."""
+"""Which mounted filesystem holds a path (read from ``/proc/self/mounts``), and its room."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -39,3 +40,21 @@ def in_memory(path: Path) -> bool:
     """Whether ``path`` is on a filesystem held in memory (tmpfs), where a write never waits for a disk."""
     found = mount_of(path)
     return found is not None and found.kind in MEMORY_FILESYSTEMS
+
+
+def nearest_existing(path: Path) -> Path | None:
+    """``path``, or its nearest ancestor that exists (None if none does)."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on the filesystem of ``path`` (its nearest
+    existing ancestor); None when nothing of it can be read."""
+    existing = nearest_existing(path)
+    if existing is None:
+        return None
+    stat = os.statvfs(existing)
+    return stat.f_bavail * stat.f_frsize

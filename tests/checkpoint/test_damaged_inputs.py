@@ -20,6 +20,7 @@ from spikingsail.checkpoint.replica_dirs import newest_group_checkpoints
 from spikingsail.checkpoint.store import CheckpointStore
 from spikingsail.errors import CheckpointError
 from tests.checkpoint.damaged import NEWER, OLDER, copy_run, reseal, sail, write_run
+from tests.tmpfs import mounted_tmpfs
 
 
 @pytest.fixture(scope="module")
@@ -134,10 +135,7 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs
 @root_only
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_save_model_on_a_full_disk(tmp_path: Path, suffix: str) -> None:
-    mount = tmp_path / "mnt"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
-    try:
+    with mounted_tmpfs(tmp_path / "mnt", "1m") as mount:
         engine, _ = spikingsail.initialize(model=torch.nn.Linear(512, 1024), config={
             "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
             "sail": {"progress_bar": False}})  # fmt: skip
@@ -150,8 +148,6 @@ def test_save_model_on_a_full_disk(tmp_path: Path, suffix: str) -> None:
         small = engine.save_model(tmp_path / f"small{suffix}", dtype=torch.bfloat16)
         assert small is not None and len(read_saved_model(small)) == 2
         engine.close()
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def test_a_resume_falls_back_from_a_manifest_of_another_shape(run: Path, tmp_path: Path) -> None:

@@ -29,12 +29,13 @@ import torch
 import torch.distributed as dist
 
 from spikingsail.checkpoint.compatibility import check_resumable
-from spikingsail.checkpoint.faults import FULL_BYTES, Failure, estimate_bytes, free_bytes, save_error
+from spikingsail.checkpoint.faults import FULL_BYTES, Failure, estimate_bytes, save_error
 from spikingsail.checkpoint.lock import fence
 from spikingsail.checkpoint.rank_state import capture_rng, restore_buffers, restore_grads, restore_rng
 from spikingsail.checkpoint.store import CheckpointStore, seal
 from spikingsail.environments import RankInfo
 from spikingsail.errors import CheckpointError
+from spikingsail.mounts import free_bytes
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful

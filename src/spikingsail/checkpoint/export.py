@@ -36,10 +36,11 @@ from spikingsail.checkpoint import dcp_io
 from spikingsail.checkpoint.checkpointer import Beat, Steps, on_rank_zero
 from spikingsail.checkpoint.deepspeed_format import STATE_TAG, safe_torch_load
 from spikingsail.checkpoint.engine_state import TrainingState
-from spikingsail.checkpoint.faults import filesystem, free_bytes
+from spikingsail.checkpoint.faults import filesystem
 from spikingsail.checkpoint.store import MANIFEST, CheckpointStore, replace_durably
 from spikingsail.errors import CheckpointError, SailError, first_line
 from spikingsail.monitor.hangwatch import CHECKPOINT
+from spikingsail.mounts import free_bytes
 
 log = logging.getLogger(__name__)
 

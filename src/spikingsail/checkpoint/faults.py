@@ -25,7 +25,7 @@ import torch
 
 from spikingsail.checkpoint.store import LATEST
 from spikingsail.errors import CheckpointError, first_line
-from spikingsail.mounts import mount_of
+from spikingsail.mounts import free_bytes, mount_of, nearest_existing
 
 log = logging.getLogger(__name__)
 
@@ -74,35 +74,18 @@ def _causes(err: BaseException) -> Iterator[BaseException]:
         pending += [e for e in (current.__cause__, current.__context__) if e is not None]
 
 
-def free_bytes(path: Path) -> int | None:
-    """Bytes an unprivileged writer may still use on the filesystem of ``path`` (its nearest
-    existing ancestor); None when nothing of it can be read."""
-    existing = _existing(path)
-    if existing is None:
-        return None
-    stat = os.statvfs(existing)
-    return stat.f_bavail * stat.f_frsize
-
-
 def read_only(path: Path) -> bool:
-    existing = _existing(path)
+    existing = nearest_existing(path)
     return existing is not None and bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
 
 
 def filesystem(path: Path) -> str:
     """``MOUNTPOINT (TYPE on DEVICE)`` for the filesystem holding ``path``."""
-    existing = _existing(path)
+    existing = nearest_existing(path)
     found = mount_of(existing) if existing is not None else None
     if found is None:
         return f"the filesystem of {existing or path}"
     return f"{found.point} ({found.kind} on {found.device})"
-
-
-def _existing(path: Path) -> Path | None:
-    for candidate in (path, *path.parents):
-        if candidate.exists():
-            return candidate
-    return None
 
 
 def estimate_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

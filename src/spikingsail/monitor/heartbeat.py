@@ -52,7 +52,7 @@ from spikingsail.monitor.hangreport import (
     WHERE,
 )
 from spikingsail.monitor.hangwatch import Spec
-from spikingsail.mounts import in_memory
+from spikingsail.mounts import free_bytes, in_memory
 
 SHARED_MEMORY = Path("/dev/shm")  # noqa: S108 (a private directory with a random name: _private_directory)
 """Where the records live when it is a memory filesystem, as it is on Linux (POSIX shared memory's,
@@ -242,10 +242,9 @@ def records_root() -> Path:
     training step, which the watch would also take for a hang. In memory it never waits. A
     /dev/shm with under ``SHARED_MEMORY_FREE`` bytes free (a container's 64 MB that DataLoader
     workers filled) is passed over: every rank of a node decides the same from the same numbers."""
-    if SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK | os.X_OK) and in_memory(SHARED_MEMORY):
-        free = os.statvfs(SHARED_MEMORY)
-        if free.f_bavail * free.f_frsize >= SHARED_MEMORY_FREE:
-            return SHARED_MEMORY
+    usable = SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK | os.X_OK)
+    if usable and in_memory(SHARED_MEMORY) and (free_bytes(SHARED_MEMORY) or 0) >= SHARED_MEMORY_FREE:
+        return SHARED_MEMORY
     return Path(tempfile.gettempdir())
 
 

@@ -89,7 +89,7 @@ print(json.dumps(found))
 def spawn(tmp_path: Path, bind: str) -> tuple[subprocess.Popen[bytes], int, str]:
     """A node's watch that serves the board, for a rank that has not written its record yet."""
     spec = Spec(records={"0": str(tmp_path / "rank-0")}, host="h", timeout=60, world_size=1, nodes=1, board=None,
-                bind=bind, directory=str(tmp_path / "records"), report_dir=str(tmp_path), py_spy=None,
+                bind=bind, report_dir=str(tmp_path), py_spy=None,
                 stack_files={})  # fmt: skip
     secret = board.new_secret()
     process, port = heartbeat._spawn(spec, secret, serves=True)

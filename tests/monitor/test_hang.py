@@ -157,7 +157,7 @@ def disk(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a loop device needs root")
 def test_a_stalled_disk_under_the_temporary_directory_stalls_no_step(tmp_path: Path, disk: Path) -> None:
-    """The records are in shared memory (/dev/shm): with TMPDIR on a disk whose writes are held for
+    """The records are in anonymous shared memory: with TMPDIR on a disk whose writes are held for
     3 s mid-run, a 1-second hang timeout reports nothing. A record in a file on that disk made its
     rank's next store wait in D state for the whole stall, and the watch ended the job."""
     log_dir, until = tmp_path / "log", tmp_path / "until"
@@ -197,7 +197,7 @@ def test_without_py_spy_faulthandler_gives_a_deadlocked_stack(tmp_path: Path) ->
     process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None and process.stdout.readline() == "ready\n"
-        spec = Spec(records={}, host="h", timeout=1, world_size=1, nodes=1, board=None, bind="", directory="",
+        spec = Spec(records={}, host="h", timeout=1, world_size=1, nodes=1, board=None, bind="",
                     report_dir="", py_spy=None, stack_files={"0": str(tmp_path / "stacks")})  # fmt: skip
         threads, why = stacks(process.pid, spec, "0")
         assert why is None

@@ -1,105 +1,133 @@
-"""Where the ranks' progress records live: in memory, so that a store never waits for a disk
-(``tests/monitor/test_hang.py`` stalls a disk under a running job)."""
+"""The ranks' progress records: pages of anonymous shared memory that the node's hang watch holds
+open, so a store never waits for a disk (``tests/monitor/test_hang.py`` stalls one under a running
+job), nothing is left in any filesystem however the job ends, and no other user can read them."""
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
-import subprocess
+import resource
 import tempfile
-from collections.abc import Iterator
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
 
 from spikingsail.errors import SailError
 from spikingsail.monitor import heartbeat
-from spikingsail.mounts import mount_of
 from tests.multiprocess import run_ranks
-from tests.tmpfs import mounted_tmpfs
+from tests.neighbour import python_as_neighbour
 
-root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+NAMED = "sail-heartbeat"
 
-
-def findmnt(path: Path) -> tuple[str, str]:
-    """util-linux's answer: the mount point and type of the filesystem holding ``path``."""
-    out = subprocess.run(
-        ["findmnt", "-n", "-o", "TARGET,FSTYPE", "-T", str(path)], capture_output=True, text=True, check=True
-    ).stdout.split()
-    return out[0], out[1]
-
-
-@pytest.mark.parametrize("path", ["/", "/tmp", "/dev/shm", "/proc/self", "/sys/fs/cgroup", "/etc/hostname"])
-def test_the_mount_holding_a_path_is_the_one_findmnt_names(path: str) -> None:
-    found = mount_of(Path(path))
-    assert found is not None
-    assert (found.point, found.kind) == findmnt(Path(path))
-
-
-def test_the_records_go_to_shared_memory() -> None:
-    root = heartbeat.records_root()
-    assert root == Path("/dev/shm")
-    assert findmnt(root)[1] == "tmpfs"
-
-
-def test_without_a_memory_filesystem_at_dev_shm_they_go_to_the_temporary_directory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    assert findmnt(tmp_path)[1] != "tmpfs"
-    monkeypatch.setattr(heartbeat, "SHARED_MEMORY", tmp_path)
-    assert heartbeat.records_root() == Path(tempfile.gettempdir())
-    monkeypatch.setattr(heartbeat, "SHARED_MEMORY", tmp_path / "missing")
-    assert heartbeat.records_root() == Path(tempfile.gettempdir())
-
-
-def test_a_records_directory_that_is_not_this_users_own_stops_the_job(tmp_path: Path) -> None:
-    """The watch kills the pids the records name: a directory of that name that another user made or
-    can write into, or a link to one, is refused, naming what to remove."""
-    assert heartbeat._private_directory(tmp_path / "mine") == tmp_path / "mine"  # made 0700
-    assert heartbeat._private_directory(tmp_path / "mine") == tmp_path / "mine"  # ours already
-    open_to_others, foreign, link = tmp_path / "open", tmp_path / "foreign", tmp_path / "link"
-    open_to_others.mkdir(mode=0o700)
-    open_to_others.chmod(0o733)
-    foreign.mkdir(mode=0o700)
-    if os.geteuid() == 0:
-        os.chown(foreign, 65534, 65534)
-    link.symlink_to(tmp_path / "mine")
-    for path in (open_to_others, *([foreign] if os.geteuid() == 0 else []), link):
-        with pytest.raises(SailError) as refused:
-            heartbeat._private_directory(path)
-        assert f"{path} is not a private directory of this user" in str(refused.value)
-        assert f"remove {path}" in str(refused.value)
-
-
-@pytest.fixture
-def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 64 KB tmpfs with no room left, as a container's /dev/shm that DataLoader workers filled."""
-    with mounted_tmpfs(tmp_path / "shm", "64k") as mount:
-        with contextlib.suppress(OSError), (mount / "filler").open("wb", buffering=0) as filler:
-            while True:  # until ENOSPC
-                filler.write(bytes(4096))
-        yield mount
-
-
-@root_only
-def test_a_full_dev_shm_is_passed_over_for_the_temporary_directory(
-    full_tmpfs: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    assert findmnt(full_tmpfs)[1] == "tmpfs"
-    monkeypatch.setattr(heartbeat, "SHARED_MEMORY", full_tmpfs)
-    assert heartbeat.records_root() == Path(tempfile.gettempdir())
-
-
-def _start_with_records_in(root: str) -> str:
-    """In a one-rank job: the hang watch's start, taking ``root`` for shared memory whatever its room."""
-    dist.init_process_group("gloo")
+READ = """
+import json, sys
+tried = {}
+for path in sys.argv[1:]:
     try:
-        heartbeat.SHARED_MEMORY, heartbeat.SHARED_MEMORY_FREE = Path(root), 0
+        with open(path, "rb") as f:
+            tried[path] = f.read(8).hex()
+    except OSError as err:
+        tried[path] = type(err).__name__
+print(json.dumps(tried))
+"""
+
+
+def _named_since(start: float) -> list[str]:
+    """Entries of the old records' kind made since ``start`` in the places they used to be."""
+    places = [Path("/dev/shm"), Path(tempfile.gettempdir())]
+    return [
+        str(p)
+        for place in places
+        if place.is_dir()
+        for p in place.glob(f"{NAMED}*")
+        if p.lstat().st_mtime >= start
+    ]
+
+
+def _started(kill_watch: bool, neighbour: bool) -> dict[str, Any]:
+    """In a two-rank job: the hang watch's start, what this rank's record is and who holds it."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        beat, watch = heartbeat.start(rank=rank, world_size=2, timeout=60, report_dir=tempfile.gettempdir(),
+                                      board_host=None)  # fmt: skip
         try:
-            beat, watch = heartbeat.start(rank=0, world_size=1, timeout=5, report_dir=root, board_host=None)
+            out: dict[str, Any] = {"path": beat.path, "target": os.readlink(beat.path), "pid": os.getpid()}
+            if watch is not None:
+                fds = Path(f"/proc/{watch.pid}/fd")
+                out["watch_holds"] = sorted(
+                    os.readlink(fd) for fd in fds.iterdir() if NAMED in os.readlink(fd)
+                )
+            paths: list[Any] = [None, None]
+            dist.all_gather_object(paths, beat.path)
+            if neighbour and rank == 0:
+                out["neighbour"] = json.loads(python_as_neighbour(READ, *paths).stdout)
+            dist.barrier()
+            if kill_watch and watch is not None:  # as SLURM ends a step: SIGKILL to every process of it
+                watch.kill()
+                watch.wait()
+            dist.barrier()
+            return out
+        finally:
+            heartbeat.stop(watch)
+            beat.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_the_records_have_no_name_and_the_watch_holds_them_open() -> None:
+    start = time.time() - 1
+    ranks = run_ranks(_started, 2, False, False)
+    for rank, seen in ranks.items():
+        assert seen["path"] == f"/proc/{seen['pid']}/fd/{seen['path'].rsplit('/', 1)[1]}"
+        assert seen["target"].startswith(f"/memfd:{NAMED}-rank-{rank} "), seen  # no file of any filesystem
+    # the node's watch (rank 0's) opened both ranks' records: it reads them after a rank has ended
+    assert ranks[0]["watch_holds"] == [f"/memfd:{NAMED}-rank-{r} (deleted)" for r in (0, 1)]
+    assert "watch_holds" not in ranks[1]
+    assert _named_since(start) == []
+
+
+@pytest.mark.multiprocess
+def test_a_watch_killed_outright_leaves_nothing_behind() -> None:
+    """SLURM ends a failed, cancelled or preempted step with SIGKILL to all of its processes, the
+    watch's included: records it had to remove itself stayed in /dev/shm until the node rebooted."""
+    start = time.time() - 1
+    run_ranks(_started, 2, True, False)
+    assert _named_since(start) == []
+
+
+@pytest.mark.multiprocess
+def test_another_user_cannot_read_the_records() -> None:
+    seen = run_ranks(_started, 2, False, True)[0]["neighbour"]
+    assert len(seen) == 2 and set(seen.values()) == {"PermissionError"}, seen
+
+
+def _start_with_no_descriptor_left(failing_rank: int) -> str:
+    """In a two-rank job: the hang watch's start, on a rank with every file descriptor in use."""
+    dist.init_process_group("gloo")
+    held: list[int] = []
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        if dist.get_rank() == failing_rank:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(map(int, os.listdir("/proc/self/fd"))) + 8, hard))
+            try:
+                while True:
+                    held.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                pass
+        try:
+            beat, watch = heartbeat.start(rank=dist.get_rank(), world_size=2, timeout=5,
+                                          report_dir=tempfile.gettempdir(), board_host=None)  # fmt: skip
         except SailError as err:
             return str(err)
+        finally:
+            for fd in held:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         heartbeat.stop(watch)
         beat.close()
         return "started"
@@ -107,10 +135,10 @@ def _start_with_records_in(root: str) -> str:
         dist.destroy_process_group()
 
 
-@root_only
 @pytest.mark.multiprocess
-def test_a_record_that_cannot_be_written_stops_the_start_saying_why(full_tmpfs: Path) -> None:
-    said = run_ranks(_start_with_records_in, 1, str(full_tmpfs))[0]
-    assert said.startswith("sail.hang_timeout_seconds: rank 0 cannot write its progress record in "), said
-    assert "No space left on device" in said and f"make room in {full_tmpfs}" in said, said
-    assert [p.name for p in full_tmpfs.iterdir()] == ["filler"]  # its empty directory removed
+def test_a_record_that_cannot_be_made_stops_every_rank_saying_which_and_why() -> None:
+    said = run_ranks(_start_with_no_descriptor_left, 2, 1)
+    for text in said.values():  # both ranks: the other one does not wait for a watch that never comes
+        assert text.startswith("sail.hang_timeout_seconds: rank 1 on "), said
+        assert "cannot make its progress record" in text and "Too many open files" in text, said
+        assert "sail.hang_timeout_seconds to 0" in text, said

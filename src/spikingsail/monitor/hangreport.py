@@ -94,7 +94,7 @@ class Progress:
 
 
 def read_record(path: Path) -> Progress | None:
-    """A rank's last record, or None before it wrote one. Read until two reads agree: the rank
+    """A rank's last record, or None before it wrote one (or where it cannot be read). Read until two reads agree: the rank
     may be writing it at that moment."""
     try:
         with path.open("rb") as f:
@@ -105,7 +105,7 @@ def read_record(path: Path) -> Progress | None:
                 if again == data:
                     break
                 data = again
-    except FileNotFoundError:
+    except OSError:  # gone, or not ours to read
         return None
     if len(data) < RECORD.size or data == bytes(RECORD.size):
         return None

@@ -27,6 +27,7 @@ death) or the board goes away (rank 0's node is done).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -78,7 +79,7 @@ class Spec:
     read a command line. The board's secret comes as the first line of the watch's standard input."""
 
     records: dict[str, str]
-    """rank → its record file, for the ranks on this node."""
+    """rank → its record (``/proc/PID/fd/N``: a page of shared memory), for the ranks on this node."""
     host: str
     timeout: float
     world_size: int
@@ -87,12 +88,10 @@ class Spec:
     """ip:port of rank 0's node's board; None on that node, whose watch serves it."""
     bind: str
     """On rank 0's node: the address the board listens on (loopback for a single node)."""
-    directory: str
-    """The node's record directory, removed when the watch ends."""
     report_dir: str
     py_spy: str | None
     stack_files: dict[str, str]
-    """rank → where its faulthandler writes (used without py-spy)."""
+    """rank → where its faulthandler writes (used without py-spy), as ``records``."""
 
     @property
     def node(self) -> str:
@@ -100,6 +99,19 @@ class Spec:
 
     def argv(self) -> list[str]:
         return [sys.executable, "-I", str(Path(__file__).resolve()), json.dumps(asdict(self))]
+
+
+def _held(paths: dict[str, str]) -> dict[str, str]:
+    """``paths`` (another process's file descriptors) as this process's own: ``/proc/self/fd/N``
+    of a descriptor opened now, which stays readable after the other process has ended. A path
+    that cannot be opened (its rank has ended already) stays as it is."""
+    held = {}
+    for rank, path in paths.items():
+        try:
+            held[rank] = f"/proc/self/fd/{os.open(path, os.O_RDONLY)}"
+        except OSError:
+            held[rank] = path
+    return held
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -113,7 +125,11 @@ def _environ(pid: int) -> dict[str, str]:
 
 class Watch:
     def __init__(self, spec: Spec, secret: bytes) -> None:
-        self.spec = spec
+        # Each record held open from the start: it is still read after its rank has ended (how it
+        # ended is part of a report), and it goes with the watch's own end, however that comes.
+        self.spec = dataclasses.replace(
+            spec, records=_held(spec.records), stack_files=_held(spec.stack_files)
+        )
         self.tick = min(1.0, max(0.1, spec.timeout / 10))
         self.stopping = threading.Event()
         self.changed: dict[str, tuple[tuple[int, int], float]] = {}
@@ -158,16 +174,6 @@ class Watch:
             log.warning("left the board: %s", err)  # not the job's board: nothing it said is acted on
         except (OSError, EOFError):
             pass  # the board is gone: rank 0's node is done
-        finally:
-            self._remove_files()
-
-    def _remove_files(self) -> None:
-        """This node's records (nodes may share the directory: containers, the test cluster)."""
-        for path in [*self.spec.records.values(), *self.spec.stack_files.values()]:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        with contextlib.suppress(OSError):
-            os.rmdir(self.spec.directory)  # once the last node's watch has removed its own
 
     def _judge(self) -> None:
         now = time.monotonic()

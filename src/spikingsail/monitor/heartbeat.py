@@ -1,12 +1,13 @@
 """Each rank's progress, published for its node's hang watch (``sail.hang_timeout_seconds``).
 
-A rank writes a fixed-size record into a small shared-memory file (in ``/dev/shm``) when it enters
-and leaves each of the engine's calls: its optimizer step and micro-step, the call, how many of the
-engine's collectives it has entered (the watch notes when each record appeared). That is a few
-stores into one page of shared memory — no system call, no clock read, and no collective that could
-itself hang. The node's watch (``hangwatch``, a process of its own started by the node's lowest
-rank) reads the records and decides, with the other nodes' watches, when the job has stopped making
-progress.
+A rank writes a fixed-size record into a page of anonymous shared memory (``memfd_create``) when it
+enters and leaves each of the engine's calls: its optimizer step and micro-step, the call, how many of
+the engine's collectives it has entered (the watch notes when each record appeared). That is a few
+stores into one page of memory — no system call, no clock read, no filesystem, and no collective that
+could itself hang. The node's watch (``hangwatch``, a process of its own started by the node's lowest
+rank) opens each record through ``/proc/PID/fd/N`` (which only this user can), reads the records and
+decides, with the other nodes' watches, when the job has stopped making progress. The records have no
+name in any filesystem: they go when the last process holding them ends, however it ends.
 """
 
 from __future__ import annotations
@@ -20,11 +21,8 @@ import os
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
-import tempfile
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -52,14 +50,6 @@ from spikingsail.monitor.hangreport import (
     WHERE,
 )
 from spikingsail.monitor.hangwatch import Spec
-from spikingsail.mounts import free_bytes, in_memory
-
-SHARED_MEMORY = Path("/dev/shm")  # noqa: S108 (a private directory with a random name: _private_directory)
-"""Where the records live when it is a memory filesystem, as it is on Linux (POSIX shared memory's,
-and where DataLoader workers hand over their batches)."""
-
-SHARED_MEMORY_FREE = 1 << 20
-"""The room /dev/shm must have left to take the records: a page per rank, 256 ranks' worth."""
 
 STACK_SIGNAL = signal.SIGUSR2
 """Without py-spy, the watch asks a rank for its Python stacks with this signal (faulthandler)."""
@@ -68,17 +58,22 @@ STACK_SIGNAL = signal.SIGUSR2
 class Heartbeat:
     """This rank's record: ``enter(phase)`` and ``leave(step, micro_step)`` around each engine call."""
 
-    def __init__(self, path: Path, stack_path: Path | None) -> None:
-        self._file = path.open("w+b")
-        self._file.write(bytes(RECORD.size))
-        self._file.flush()
-        self._map = mmap.mmap(self._file.fileno(), RECORD.size)
+    def __init__(self, rank: int, *, stacks: bool) -> None:
+        fd = os.memfd_create(f"sail-heartbeat-rank-{rank}", os.MFD_CLOEXEC)
+        self._file = os.fdopen(fd, "r+b")
+        os.ftruncate(fd, RECORD.size)  # zeros: no record yet
+        self._map = mmap.mmap(fd, RECORD.size)
         self._words = memoryview(self._map).cast("q")
         """The record's words (``hangreport.PID`` …): a store is a write into the shared page."""
+        self.path = _seen_by_others(fd)
         self._words[PID] = os.getpid()
         self._stacks: IO[str] | None = None
-        if stack_path is not None:  # no py-spy on this node: faulthandler answers the watch
-            self._stacks = stack_path.open("w")
+        self.stack_path = ""
+        if stacks:  # no py-spy on this node: faulthandler answers the watch
+            self._stacks = os.fdopen(
+                os.memfd_create(f"sail-heartbeat-rank-{rank}.stacks", os.MFD_CLOEXEC), "w"
+            )
+            self.stack_path = _seen_by_others(self._stacks.fileno())
             faulthandler.register(STACK_SIGNAL, file=self._stacks, all_threads=True)
         self._write(READY, LEFT)
 
@@ -177,45 +172,43 @@ def start(
     host = socket.gethostname()
     spy = py_spy()
     seen = resolve(board_host or host)
-    mine = (host, uuid.uuid4().hex[:12] if rank == 0 else "", seen, seen and source_toward(seen))
+    beat: Heartbeat | None = None
+    failed = ""
+    try:
+        beat = Heartbeat(rank, stacks=spy is None)
+    except OSError as err:  # out of memory, or of file descriptors
+        failed = err.strerror or str(err)
+    mine = (host, seen, seen and source_toward(seen), beat and beat.path, beat and beat.stack_path, failed)
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, mine)
-    hosts = [str(h) for h, *_ in everyone]
-    directory = _private_directory(records_root() / f"sail-heartbeat-{everyone[0][1]}")
-    record, stacks = directory / f"rank-{rank}", None if spy else directory / f"rank-{rank}.stacks"
-    try:
-        beat = Heartbeat(record, stacks)
-    except OSError as err:
-        for leftover in (record, stacks):
-            if leftover is not None:
-                with contextlib.suppress(OSError):
-                    leftover.unlink()
-        with contextlib.suppress(OSError):
-            directory.rmdir()  # once empty: the node's other ranks may have theirs there
+    if beat is None or any(e[5] for e in everyone):  # every rank stops, not only the one that failed
+        if beat is not None:
+            beat.close()
+        bad = next(r for r, e in enumerate(everyone) if e[5])
         raise SailError(
-            f"sail.hang_timeout_seconds: rank {rank} cannot write its progress record in {directory}",
-            f"{err.strerror or err}; the node's hang watch reads the ranks' records there",
-            f"make room in {directory.parent}, or set sail.hang_timeout_seconds to 0 to train without the hang watch",
-        ) from err
+            f"sail.hang_timeout_seconds: rank {bad} on {everyone[bad][0]} cannot make its progress record",
+            f"{everyone[bad][5]}; the node's hang watch reads each rank's record from a page of shared memory",
+            "free memory or file descriptors on that node, or set sail.hang_timeout_seconds to 0 to train without the hang watch",
+        )
+    hosts = [str(h) for h, *_ in everyone]
     node_ranks = [r for r, h in enumerate(hosts) if h == host]
     spec = Spec(
-        records={str(r): str(directory / f"rank-{r}") for r in node_ranks},
+        records={str(r): str(everyone[r][3]) for r in node_ranks},
         host=host,
         timeout=timeout,
         world_size=world_size,
         nodes=len(set(hosts)),
         board=None,
         bind="",
-        directory=str(directory),
         report_dir=report_dir,
         py_spy=spy,
-        stack_files={str(r): str(directory / f"rank-{r}.stacks") for r in node_ranks},
+        stack_files={str(r): str(everyone[r][4]) for r in node_ranks if everyone[r][4]},
     )
     process: subprocess.Popen[bytes] | None = None
     shared = ["", ""]
     try:
         if rank == 0:
-            others = [(seen, own) for h, _, seen, own in everyone if h != host]
+            others = [(seen, own) for h, seen, own, *_ in everyone if h != host]
             address = bind_address(
                 board_host or host,
                 [str(seen) for seen, _ in others if seen],
@@ -233,34 +226,6 @@ def start(
         beat.close()
         raise
     return beat, process
-
-
-def records_root() -> Path:
-    """Where this node's records go: shared memory, else the temporary directory. A store into a
-    page of a file on disk can wait for the filesystem (the page fault after each writeback goes
-    through its journal): seconds in D state on a busy disk or an NFS /tmp, in the middle of a
-    training step, which the watch would also take for a hang. In memory it never waits. A
-    /dev/shm with under ``SHARED_MEMORY_FREE`` bytes free (a container's 64 MB that DataLoader
-    workers filled) is passed over: every rank of a node decides the same from the same numbers."""
-    usable = SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK | os.X_OK)
-    if usable and in_memory(SHARED_MEMORY) and (free_bytes(SHARED_MEMORY) or 0) >= SHARED_MEMORY_FREE:
-        return SHARED_MEMORY
-    return Path(tempfile.gettempdir())
-
-
-def _private_directory(path: Path) -> Path:
-    """``path``, a directory only this user can enter: the records tell the watch which pids to
-    kill. The name is random; nodes sharing /dev/shm or /tmp share it, so it may exist already, as ours."""
-    path.mkdir(mode=0o700, exist_ok=True)
-    info = path.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
-        raise SailError(
-            f"sail.hang_timeout_seconds: {path} is not a private directory of this user",
-            f"it belongs to uid {info.st_uid} with mode {stat.filemode(info.st_mode)}; the hang watch "
-            "keeps its ranks' records there",
-            f"remove {path}, or set sail.hang_timeout_seconds to 0 to train without the hang watch",
-        )
-    return path
 
 
 def resolve(host: str) -> str | None:
@@ -318,6 +283,11 @@ def _is_mine(address: str) -> bool:
         return True
     except OSError:
         return False
+
+
+def _seen_by_others(fd: int) -> str:
+    """The path this process's ``fd`` has for its node's watch: /proc gives it to this user alone."""
+    return f"/proc/{os.getpid()}/fd/{fd}"
 
 
 def _spawn(spec: Spec, secret: str, *, serves: bool) -> tuple[subprocess.Popen[bytes], int]:

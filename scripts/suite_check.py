@@ -2,7 +2,8 @@
 
     python scripts/suite_check.py snapshot FILE            what runs and is mounted before the suite
     python scripts/suite_check.py leftovers FILE           after it: processes started since, network
-                                                           namespaces and mounts added since; exit 1 if any
+                                                           namespaces, mounts and shared memory (names in
+                                                           /dev/shm) added since; exit 1 if any
     python scripts/suite_check.py slowest SECONDS XML...   the suite's wall time, its 25 slowest tests
                                                            and the 25 that cost the most CPU time
 
@@ -26,6 +27,7 @@ from typing import Any
 
 MARK = "SAIL_SUITE_MARK"
 NETNS_DIR = "/run/netns"
+SHARED_MEMORY = Path("/dev/shm")  # noqa: S108 (only listed: what is left there is memory until a reboot)
 # a process that is being stopped as the suite ends may take a moment to go
 GRACE_SECONDS = float(os.environ.get("SAIL_SUITE_GRACE_SECONDS", "15"))
 
@@ -81,8 +83,16 @@ def _mounts() -> list[str]:
     # over another at the same point (a small /dev/shm) is listed twice
 
 
+def _shared_memory() -> list[str]:
+    try:
+        return sorted(entry.name for entry in SHARED_MEMORY.iterdir())
+    except OSError:
+        return []
+
+
 def snapshot(path: Path) -> None:
-    snap = {"mark": os.environ[MARK], "ticks": _boot_ticks_now(), "netns": _netns(), "mounts": _mounts()}
+    snap = {"mark": os.environ[MARK], "ticks": _boot_ticks_now(), "netns": _netns(), "mounts": _mounts(),
+            "shm": _shared_memory()}  # fmt: skip
     path.write_text(json.dumps(snap))
 
 
@@ -95,6 +105,11 @@ def _left(before: dict[str, Any]) -> list[str]:
     left += [f"network namespace {name}" for name in _netns() if name not in before["netns"]]
     added = Counter(_mounts()) - Counter(before["mounts"])
     left += [f"mount {point}" for point in sorted(added.elements())]
+    left += [
+        f"shared memory {SHARED_MEMORY / name}"
+        for name in _shared_memory()
+        if name not in before.get("shm", [])
+    ]
     return left
 
 
@@ -106,7 +121,7 @@ def leftovers(path: Path) -> int:
         time.sleep(1)
         left = _left(before)
     if not left:
-        print("suite: no process, network namespace or mount left behind")
+        print("suite: no process, network namespace, mount or shared memory left behind")
         return 0
     print(f"suite: {len(left)} thing(s) left behind by the tests (a test must stop what it starts):")
     for line in left:

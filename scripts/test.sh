@@ -57,7 +57,8 @@ outcome() {  # the worst status so far; 5 (no test selected) only where no run s
 # them compiled again here, once, not inside a test that would time out waiting for it)
 bash scripts/deepspeed-ops.sh "$(cd .venv && pwd -P)"
 scratch=$(mktemp -d)
-# What runs and is mounted now: a process, network namespace or mount the tests leave fails the run.
+# What runs, is mounted and is in /dev/shm now: a process, network namespace, mount or shared memory
+# the tests leave fails the run.
 SAIL_SUITE_MARK=$(.venv/bin/python -c "import secrets; print(secrets.token_hex(8))")
 export SAIL_SUITE_MARK
 .venv/bin/python scripts/suite_check.py snapshot "$scratch/before.json"

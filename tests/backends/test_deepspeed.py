@@ -471,3 +471,33 @@ def test_arch_lists_deepspeed_cannot_read_stop_with_the_entries_and_a_list_it_re
     if readable:
         monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", readable)
         assert FusedAdamBuilder().compute_capability_args()
+
+
+def _shared_workspaces() -> dict[str, Any]:
+    """A DeepSpeed engine on one node as DeepSpeed's launcher starts it, then its shared-memory all-reduce."""
+    import deepspeed.comm as ds_comm
+
+    from spikingsail.backends.deepspeed_shm import workspace
+
+    os.environ["LOCAL_SIZE"] = "2"  # DeepSpeed's launcher: every rank of the job on this node
+    net = model()
+    engine, _ = spikingsail.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                                       config=config("deepspeed"))  # fmt: skip
+    backend = ds_comm.comm.cdb
+    tensor = torch.full((1000,), float(engine.rank + 1))
+    ds_comm.inference_all_reduce(tensor)  # over the workspaces: every rank's mapping of every other's
+    seen = {"level": backend.shm_vector_kernel_level, "sum": sorted(set(tensor.tolist())),
+            "named": [workspace(r).exists() for r in range(2)], "name": str(workspace(engine.rank))}  # fmt: skip
+    engine.close()
+    return seen
+
+
+def test_deepspeeds_shared_memory_workspaces_work_and_leave_nothing_in_dev_shm() -> None:
+    """DeepSpeed's CPU communication maps a 66 MB workspace per rank from /dev/shm and never unlinks
+    it: every run on one node left them there, memory held until a reboot."""
+    ranks = run_ranks(_shared_workspaces, 2)
+    for seen in ranks.values():
+        assert seen["level"] >= 1  # the kernel that reads the other rank's workspace, not a gloo fallback
+        assert seen["sum"] == [3.0] and seen["named"] == [False, False], seen
+    assert f"deepspeed_allreduce_buffer_{os.getuid()}_" in ranks[0]["name"]
+    assert not Path(ranks[0]["name"]).exists() and not Path(ranks[1]["name"]).exists()

@@ -1,5 +1,5 @@
-"""scripts/suite_check.py, which scripts/test.sh (CI) runs around the suite: a process or mount a test
-leaves fails the run, naming it; the report names the slowest tests."""
+"""scripts/suite_check.py, which scripts/test.sh (CI) runs around the suite: a process, mount, network
+namespace or shared memory a test leaves fails the run, naming it; the report names the slowest tests."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_a_process_started_after_the_snapshot_and_left_running_fails_the_run(tmp
             process.wait()
     result = check("leftovers", before, mark=mark)  # the checker's ancestors are not leftovers
     assert result.returncode == 0, result.stdout
-    assert "no process, network namespace or mount left behind" in result.stdout
+    assert "no process, network namespace, mount or shared memory left behind" in result.stdout
 
 
 def test_a_process_that_ends_within_the_grace_is_not_a_leftover(tmp_path: Path) -> None:
@@ -58,18 +58,20 @@ def test_a_process_that_ends_within_the_grace_is_not_a_leftover(tmp_path: Path) 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"),
                     reason="needs root, unshare and ip to mount and add a namespace in a private mount namespace")  # fmt: skip
-def test_a_mount_and_a_network_namespace_left_behind_fail_the_run(tmp_path: Path) -> None:
-    """In a mount namespace of its own (a private /run/netns), so other tests' mounts and
-    namespaces, made meanwhile beside this one, are not seen."""
+def test_a_mount_a_network_namespace_and_shared_memory_left_behind_fail_the_run(tmp_path: Path) -> None:
+    """In a mount namespace of its own (a private /run/netns and /dev/shm), so other tests' mounts,
+    namespaces and shared memory, made meanwhile beside this one, are not seen."""
     point = tmp_path / "left-mounted"
     point.mkdir()
     script = f"""
 set -e
 mount --make-rprivate /
 mkdir -p /run/netns && mount -t tmpfs sail-netns /run/netns
+mount -t tmpfs sail-shm /dev/shm && touch /dev/shm/there-before
 {" ".join(CHECK)} snapshot {tmp_path}/before.json
 mount -t tmpfs sail-left {point}
 ip netns add sail-left-behind
+touch /dev/shm/sail-left-behind
 {" ".join(CHECK)} leftovers {tmp_path}/before.json
 """
     env = {**os.environ, "SAIL_SUITE_MARK": secrets.token_hex(8), "SAIL_SUITE_GRACE_SECONDS": "1"}
@@ -78,6 +80,8 @@ ip netns add sail-left-behind
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"mount {point}" in result.stdout
     assert "network namespace sail-left-behind" in result.stdout
+    assert "shared memory /dev/shm/sail-left-behind" in result.stdout
+    assert "there-before" not in result.stdout
 
 
 def test_the_slowest_tests_are_listed_from_every_runs_report(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from spikingsail.backends.compiling import compile_kwargs
 from spikingsail.backends.deepspeed_import import import_deepspeed, initialize_error
+from spikingsail.backends.deepspeed_shm import release_workspaces
 from spikingsail.backends.process_group import (
     ProcessGroupBackend,
     dist_backend_for,
@@ -163,6 +164,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
                 )
         except Exception as err:  # DeepSpeed reports config problems as several exception types
             raise initialize_error(config.source, err, self.device) from err
+        release_workspaces()
         engine.checkpoint_engine = _safe_checkpoint_engine(engine)
         self.ds = engine
         self.trained = model, ds_optimizer

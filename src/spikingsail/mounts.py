@@ -6,8 +6,6 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
-
 
 class Mount(NamedTuple):
     device: str
@@ -34,12 +32,6 @@ def mount_of(path: Path) -> Mount | None:
         if inside and (best is None or len(point) >= len(best.point)):
             best = Mount(device, point, kind)
     return best
-
-
-def in_memory(path: Path) -> bool:
-    """Whether ``path`` is on a filesystem held in memory (tmpfs), where a write never waits for a disk."""
-    found = mount_of(path)
-    return found is not None and found.kind in MEMORY_FILESYSTEMS
 
 
 def nearest_existing(path: Path) -> Path | None:

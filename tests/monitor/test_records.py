@@ -5,6 +5,7 @@ job), nothing is left in any filesystem however the job ends, and no other user 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import tempfile
@@ -16,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from spikingsail.errors import SailError
-from spikingsail.monitor import heartbeat
+from spikingsail.monitor import hangwatch, heartbeat
 from tests.multiprocess import run_ranks
 from tests.neighbour import python_as_neighbour
 
@@ -89,6 +90,24 @@ def test_the_records_have_no_name_and_the_watch_holds_them_open() -> None:
     assert ranks[0]["watch_holds"] == [f"/memfd:{NAMED}-rank-{r} (deleted)" for r in (0, 1)]
     assert "watch_holds" not in ranks[1]
     assert _named_since(start) == []
+
+
+def test_the_watch_reads_a_record_after_its_rank_let_go_and_names_one_it_cannot_open(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fd = os.memfd_create("record")
+    os.write(fd, b"step 7")
+    missing = "/proc/self/fd/999999"
+    with caplog.at_level(logging.WARNING):
+        held = hangwatch._held({"0": f"/proc/{os.getpid()}/fd/{fd}", "1": missing})
+    os.close(fd)  # the rank's own end
+    try:
+        assert Path(held["0"]).read_bytes() == b"step 7"
+        assert held["1"] == missing
+        assert f"cannot read rank 1's progress record {missing}" in caplog.text
+        assert "no hang will be reported" in caplog.text
+    finally:
+        os.close(int(held["0"].rsplit("/", 1)[1]))
 
 
 @pytest.mark.multiprocess

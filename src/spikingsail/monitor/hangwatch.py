@@ -109,7 +109,9 @@ def _held(paths: dict[str, str]) -> dict[str, str]:
     for rank, path in paths.items():
         try:
             held[rank] = f"/proc/self/fd/{os.open(path, os.O_RDONLY)}"
-        except OSError:
+        except OSError as err:  # no hang is found while a rank's record is missing: say so
+            log.warning("cannot read rank %s's progress record %s (%s): no hang will be reported", rank, path,
+                        err.strerror or err)  # fmt: skip
             held[rank] = path
     return held
 

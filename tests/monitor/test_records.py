@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import resource
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -125,28 +126,24 @@ def test_another_user_cannot_read_the_records() -> None:
     assert len(seen) == 2 and set(seen.values()) == {"PermissionError"}, seen
 
 
-def _start_with_no_descriptor_left(failing_rank: int) -> str:
-    """In a two-rank job: the hang watch's start, on a rank with every file descriptor in use."""
+def _start_with_no_room(failing_rank: int) -> str:
+    """In a two-rank job: the hang watch's start, on one rank under a file-size limit of 0
+    (``ulimit -f 0``), which a page of shared memory counts against too."""
     dist.init_process_group("gloo")
-    held: list[int] = []
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    failing = dist.get_rank() == failing_rank
+    if failing:  # without the signal the limit sends, the write fails with EFBIG
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, limit[1]))
     try:
-        if dist.get_rank() == failing_rank:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (max(map(int, os.listdir("/proc/self/fd"))) + 8, hard))
-            try:
-                while True:
-                    held.append(os.open(os.devnull, os.O_RDONLY))
-            except OSError:
-                pass
         try:
             beat, watch = heartbeat.start(rank=dist.get_rank(), world_size=2, timeout=5,
                                           report_dir=tempfile.gettempdir(), board_host=None)  # fmt: skip
         except SailError as err:
             return str(err)
         finally:
-            for fd in held:
-                os.close(fd)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            if failing:
+                resource.setrlimit(resource.RLIMIT_FSIZE, limit)
         heartbeat.stop(watch)
         beat.close()
         return "started"
@@ -156,8 +153,8 @@ def _start_with_no_descriptor_left(failing_rank: int) -> str:
 
 @pytest.mark.multiprocess
 def test_a_record_that_cannot_be_made_stops_every_rank_saying_which_and_why() -> None:
-    said = run_ranks(_start_with_no_descriptor_left, 2, 1)
+    said = run_ranks(_start_with_no_room, 2, 1)
     for text in said.values():  # both ranks: the other one does not wait for a watch that never comes
         assert text.startswith("sail.hang_timeout_seconds: rank 1 on "), said
-        assert "cannot make its progress record" in text and "Too many open files" in text, said
+        assert "cannot make its progress record" in text and "File too large" in text, said
         assert "sail.hang_timeout_seconds to 0" in text, said

@@ -176,7 +176,7 @@ def start(
     failed = ""
     try:
         beat = Heartbeat(rank, stacks=spy is None)
-    except OSError as err:  # out of memory, or of file descriptors
+    except OSError as err:  # out of memory, of file descriptors, past a file-size limit
         failed = err.strerror or str(err)
     mine = (host, seen, seen and source_toward(seen), beat and beat.path, beat and beat.stack_path, failed)
     everyone: list[Any] = [None] * world_size
@@ -188,7 +188,8 @@ def start(
         raise SailError(
             f"sail.hang_timeout_seconds: rank {bad} on {everyone[bad][0]} cannot make its progress record",
             f"{everyone[bad][5]}; the node's hang watch reads each rank's record from a page of shared memory",
-            "free memory or file descriptors on that node, or set sail.hang_timeout_seconds to 0 to train without the hang watch",
+            "lift the limit it names on that node (memory, open files, `ulimit -f`), "
+            "or set sail.hang_timeout_seconds to 0 to train without the hang watch",
         )
     hosts = [str(h) for h, *_ in everyone]
     node_ranks = [r for r, h in enumerate(hosts) if h == host]

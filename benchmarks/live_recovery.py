@@ -61,7 +61,9 @@ def run(
     for path in out.glob("ledger-*.jsonl"):
         group, pid = path.stem.split("-")[1:]
         for line in path.read_text().splitlines():
-            entries.append({**json.loads(line), "group": int(group), "pid": int(pid)})
+            entry = json.loads(line)
+            if "step" in entry:  # a committed step (not what a step took before its exchange)
+                entries.append({**entry, "group": int(group), "pid": int(pid)})
     return sorted(entries, key=lambda e: e["time"])
 
 

@@ -1,11 +1,12 @@
 """A training script for the replica-group tests: a small regression model on a fixed data set.
 
-    python replica_worker.py OUT EPOCHS [--kill-group G --kill-step S --kill-in between|allreduce]
+    python replica_worker.py OUT EPOCHS [--kill-group G --kill-step S --kill-in between|allreduce|commit]
     python replica_worker.py OUT EPOCHS --reference R   (one process, the global batch of R ranks)
     python replica_worker.py OUT EPOCHS --checkpoints DIR [--resume] [--keep-last K]   (saves every 6 steps)
 
 Writes OUT/final-GROUP.pt (the parameters at the end) and OUT/ledger-GROUP-PID.jsonl (step, sample
-ids of each committed batch). With --kill-*, group G's process SIGKILLs itself the first time it
+ids of each committed batch; with other groups in the step's quorum, a ``taking`` line before its
+gradients leave, as the engine's ledger writes). With --kill-*, group G's process SIGKILLs itself the first time it
 reaches step S with every group taking part (a marker file keeps the restarted one alive): between
 two steps, or as it enters its gradient all-reduce across the groups (its peers, in the same
 quorum, wait in theirs; had it sent its share first, the peers could finish the step without it). With
@@ -26,7 +27,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.nn.functional as F
@@ -39,13 +40,23 @@ from spikingsail.environments import RankInfo
 MICRO, SAMPLES = 4, 96
 
 
+def write_taking(ledger: IO[str], engine: Any, step: int, ids: list[int], group: int) -> None:
+    """Before the step's gradients go to the other groups: what it takes (the other groups may
+    commit it with them after this process is killed, before it writes the step)."""
+    manager = engine.replicas.manager if engine.replicas is not None else None
+    if manager is not None and manager.num_participants() > 1:
+        entry = {"taking": step, "ids": ids, "quorum": manager._quorum_id, "group": group, "pid": os.getpid()}
+        ledger.write(json.dumps(entry) + "\n")
+        ledger.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("epochs", type=int)
     parser.add_argument("--kill-group", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=-1)
-    parser.add_argument("--kill-in", choices=["between", "allreduce"], default="between")
+    parser.add_argument("--kill-in", choices=["between", "allreduce", "commit"], default="between")
     parser.add_argument("--stop-group", type=int, default=-1)
     parser.add_argument("--stop-step", type=int, default=-1)
     parser.add_argument(
@@ -147,7 +158,7 @@ def main() -> None:
                 marker.write_text(f"{time.time()}")
                 if args.kill_in == "between":
                     os.kill(os.getpid(), signal.SIGKILL)
-                kill_in_first_all_reduce(engine)
+                kill_in_first(engine, "allreduce" if args.kill_in == "allreduce" else "should_commit")
             stopped = args.out / f"stopped-{group}"
             if (
                 group == args.stop_group
@@ -160,6 +171,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGSTOP)
             loss = F.mse_loss(engine(x), y)
             engine.backward(loss)
+            write_taking(ledger, engine, step, sample_ids.flatten().int().tolist(), group)
             engine.step()
             if engine.global_steps > step:  # committed; written at once, before a kill can come
                 digest = sum(float(full(p).double().sum()) for p in model.parameters())
@@ -193,13 +205,14 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
 
-def kill_in_first_all_reduce(engine: Any) -> None:
-    manager = engine.replicas.manager
+def kill_in_first(engine: Any, call: str) -> None:
+    """SIGKILL as the process enters torchft's ``allreduce`` (before its gradients leave) or its
+    ``should_commit`` (after they reached the other groups, which then commit the step without it)."""
 
-    def allreduce(*args: Any, **kwargs: Any) -> Any:
+    def die(*args: Any, **kwargs: Any) -> Any:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    manager.allreduce = allreduce
+    setattr(engine.replicas.manager, call, die)
 
 
 def perturb_before_joining() -> None:

@@ -72,22 +72,37 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], exa
             )
 
 
+def _lines(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for path in out.glob("ledger-*.jsonl") for line in path.read_text().splitlines()]
+
+
 def ledger(out: Path) -> list[dict[str, Any]]:
     """Every committed step of every group, rank and restart: its sample ids and a digest of the
     parameters after it."""
-    return [json.loads(line) for path in out.glob("ledger-*.jsonl") for line in path.read_text().splitlines()]
+    return [entry for entry in _lines(out) if "step" in entry]
+
+
+def taken_before_dying(out: Path) -> list[dict[str, Any]]:
+    """The steps a process wrote it took as its gradients went to the other groups, and never wrote
+    it committed: killed in between (the other groups may have committed the step with them)."""
+    committed = {(entry["pid"], entry["step"]) for entry in ledger(out)}
+    return [e for e in _lines(out) if "taking" in e and (e["pid"], e["taking"]) not in committed]
 
 
 def committed_samples(out: Path) -> dict[int, list[int]]:
     """The sample ids of each committed step (counted from 0), over the processes that took part in it.
     Groups that did not see each other may each have taken a step alone, from the same state (torchft
     gave each a quorum of its own): then each quorum took the whole step's samples, once. A group
-    alone in its quorum is told apart by its group and attempt, as the engine's ledger tells it."""
+    alone in its quorum is told apart by its group and attempt, as the engine's ledger tells it. A
+    process killed after its gradients went to its quorum counts in the step the others committed."""
     by_quorum: dict[int, dict[Any, list[int]]] = collections.defaultdict(
         lambda: collections.defaultdict(list)
     )
     for entry in ledger(out):
         by_quorum[entry["step"]][took(entry)] += entry["ids"]
+    for entry in taken_before_dying(out):  # in a quorum whose other groups committed the step
+        if entry["quorum"] in by_quorum.get(entry["taking"], {}):
+            by_quorum[entry["taking"]][entry["quorum"]] += entry["ids"]
     steps = {}
     for step, quorums in by_quorum.items():
         first, *others = (sorted(ids) for ids in quorums.values())
@@ -168,17 +183,19 @@ def process_state(pid: int) -> str:
 
 
 def group_entries(out: Path, group: int, besides: int = 0) -> list[dict[str, Any]]:
-    """The script's records of ``group``'s steps (a line still being written is left for the next
-    look), but for those of process ``besides``."""
+    """The script's records of ``group``'s committed steps (a line still being written is left for
+    the next look), but for those of process ``besides``."""
     found = []
     for path in out.glob(f"ledger-{group}-*.jsonl"):
         if path.stem.endswith(f"-{besides}"):
             continue
         for line in path.read_text().splitlines():
             try:
-                found.append(json.loads(line))
+                entry = json.loads(line)
             except json.JSONDecodeError:
                 break
+            if "step" in entry:
+                found.append(entry)
     return found
 
 
@@ -214,7 +231,7 @@ def wait_for_worker(out: Path, group: int, steps: int = 4) -> int:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         for ledger in out.glob(f"ledger-{group}-*.jsonl"):
-            if len(ledger.read_text().splitlines()) >= steps:
+            if ledger.read_text().count('"step"') >= steps:
                 return int(ledger.stem.rsplit("-", 1)[1])
         time.sleep(0.1)
     raise AssertionError(f"group {group} committed no steps in 120 s")

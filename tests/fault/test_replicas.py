@@ -35,6 +35,7 @@ from tests.fault.replicas import (
     process_state,
     reference,
     standalone_lighthouse,
+    taken_before_dying,
     took,
     wait_for_worker,
 )
@@ -42,7 +43,7 @@ from tests.fault.replicas import (
 pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
 
 
-@pytest.mark.parametrize("kill_in", ["allreduce", "between"])
+@pytest.mark.parametrize("kill_in", ["allreduce", "commit", "between"])
 def test_a_killed_group_heals_from_the_other_and_the_run_equals_the_fault_free_one(
     tmp_path: Path, kill_in: str
 ) -> None:
@@ -55,6 +56,11 @@ def test_a_killed_group_heals_from_the_other_and_the_run_equals_the_fault_free_o
     assert "replica group 1 in the job at step" in output  # healed from group 0, not from step 0
     if kill_in == "allreduce":
         assert "not committed by the replica groups" in output  # the survivor took the step again
+    if kill_in == "commit":  # the survivor committed the step (the engine's 11) with the dead group's
+        assert "step 11 not committed" not in output  # gradients, and their samples count (taking lines)
+        assert any(e["taking"] == 10 for e in taken_before_dying(out)), (
+            "group 1 died before step 10's exchange"
+        )
     assert_trained_as_one_process(out, tmp_path)
     assert all((out / f"steps-{g}").read_text().split()[0] == str(EPOCHS * STEPS_PER_EPOCH) for g in (0, 1))
 

@@ -271,12 +271,65 @@ KEYS = st.sampled_from(
         "epoch_samples",
         "steps_per_epoch",
         "from",
+        "taking",
     ]
 )
 VALUES = st.one_of(
     st.integers(-3, 3), st.booleans(), st.none(), st.text(max_size=3), st.lists(st.integers(-1, 9)),
     st.dictionaries(st.sampled_from(["group", "attempt"]), st.one_of(st.none(), st.integers(-1, 2))),
 )  # fmt: skip
+
+
+def taking(number: int, ids: list[int], quorum: int, when: float) -> dict[str, object]:
+    """What a replica group's step took, written as its gradients went to the groups of ``quorum``."""
+    return {"taking": number, "epoch": (number - 1) // 2, "ids": ids, "quorum": quorum, "time": when}
+
+
+def test_a_group_killed_after_its_gradients_went_to_the_quorum_counts_in_the_step_the_others_committed(
+    tmp_path: Path,
+) -> None:
+    """Both groups took steps 1 and 2 together (quorum 1); in step 3 group 1's gradients reached
+    group 0, which committed, and group 1 was killed before it wrote the step (its agent gone: the
+    worker SIGKILLs itself). Started again, it healed from group 0 at step 3 and both took step 4
+    (quorum 2). Step 3 trained on both halves; a group that died before its gradients left (group 0
+    then committed step 3 alone, in its own quorum) or took the step again itself adds nothing."""
+    ledger = tmp_path / "run" / "ledger"
+    first, second = 10**9, 5 * 10**9
+
+    def group_0(step_3: dict[str, object]) -> None:
+        write(ledger, f"{first}-g0-r0.jsonl", header(first, group=0, ledger=2),
+              *[x for n in (1, 2) for x in (taking(n, HALVES[0][n - 1], 1, n), took(n, HALVES[0][n - 1], 1, n))],
+              taking(3, HALVES[0][2], 1, 3.0), step_3, taking(4, HALVES[0][3], 2, 5.0),
+              took(4, HALVES[0][3], 2, 5.0))  # fmt: skip
+
+    def group_1(*step_3: dict[str, object]) -> None:
+        write(ledger, f"{first}-g1-r0.jsonl", header(first, group=1, ledger=2),
+              *[x for n in (1, 2) for x in (taking(n, HALVES[1][n - 1], 1, n), took(n, HALVES[1][n - 1], 1, n))],
+              *step_3)  # fmt: skip
+
+    group_0(took(3, HALVES[0][2], 1, 3.0))
+    group_1(taking(3, HALVES[1][2], 1, 3.0))
+    write(ledger, f"{second}-g1-r0.jsonl", header(second, group=1, ledger=2), loaded(0, first, 3, 4.0),
+          taking(4, HALVES[1][3], 2, 5.0), took(4, HALVES[1][3], 2, 5.0))  # fmt: skip
+    resolved = ledger_check.resolve(tmp_path / "run")
+    assert resolved.problems == [], ledger_check.report(resolved)
+    assert {s: sorted(i) for s, i in resolved.steps.items()} == {n: WHOLE[(n - 1) % 2] for n in range(1, 5)}
+    # without its taking line (format 1), group 1's half of step 3 is missing: the false alarm
+    group_1()
+    shown = ledger_check.report(ledger_check.resolve(tmp_path / "run"))
+    assert "PROBLEM epoch 1: 2 of its 8 samples never trained: 2, 3" in shown
+    # group 1 died before its gradients left: group 0 took step 3 alone (no quorum named), with all of it
+    group_0({**step(3, WHOLE[0]), "time": 3.0})
+    group_1(taking(3, HALVES[1][2], 1, 3.0))
+    resolved = ledger_check.resolve(tmp_path / "run")
+    assert resolved.problems == [] and sorted(resolved.steps[3]) == WHOLE[0], ledger_check.report(resolved)
+    # group 1 voted no and took step 3 again (committed): its taking line is not counted on top
+    group_0(took(3, HALVES[0][2], 1, 3.0))
+    group_1(taking(3, HALVES[1][2], 1, 3.0), took(3, HALVES[1][2], 1, 3.5))
+    resolved = ledger_check.resolve(tmp_path / "run")
+    assert resolved.problems == [] and sorted(resolved.steps[3]) == WHOLE[0], ledger_check.report(resolved)
+
+
 LINES = st.one_of(st.binary(max_size=60), st.dictionaries(KEYS, VALUES).map(lambda d: json.dumps(d).encode()))
 
 

@@ -47,6 +47,7 @@ from spikingsail.environments import RankInfo
 from spikingsail.errors import CheckpointError
 from spikingsail.monitor.hangwatch import COLLECTIVE
 from spikingsail.monitor.heartbeat import NoHeartbeat
+from spikingsail.monitor.ledger import QuorumLedger
 from spikingsail.precision import Precision
 from spikingsail.snn.chunking import time_chunked
 from spikingsail.snn.encoding import encode
@@ -164,6 +165,8 @@ class Engine(DeepSpeedNames):
                                       self.optimizer, backend, (self.state_dict, self.load_state_dict))  # fmt: skip
             closing.callback(self.split.close)
             self.hooks.add(self.split)
+            if self.ledger is not None:  # what a step takes, before the groups exchange its gradients
+                self.hooks.add(QuorumLedger(self.ledger, self.split.quorum))
         self._backward: Callable[[torch.Tensor], None] = (
             torch.Tensor.backward if self._direct else backend.backward
         )

@@ -224,9 +224,13 @@ class ReplicaSplit(EqualSplit):
         counts its groups' samples together; the id names the members too, ``QuorumIds``). A group
         alone in its quorum took the whole step with its own ranks, as a job without replica groups
         does, and two groups apart may each take the same step so: it names none."""
+        notes.quorum = self.quorum()
+
+    def quorum(self) -> int | None:
+        """The step's torchft quorum id, when other groups are in it (None when this group is alone)."""
         assert self.replicas is not None
         manager = self.replicas.manager
-        notes.quorum = manager._quorum_id if manager.num_participants() > 1 else None  # no public name
+        return manager._quorum_id if manager.num_participants() > 1 else None  # no public name
 
     def sampler(self, dataset: Dataset[Any], shuffle: bool, seed: int, drop_last: bool,
                 loader_kwargs: dict[str, Any]) -> ReplicaBatchSampler | None:  # fmt: skip

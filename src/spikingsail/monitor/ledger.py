@@ -8,6 +8,11 @@ in it that counted (``{"step": 12, "epoch": 0, "ids": [...]}``; ``step`` is the 
 ends, so a killed process loses nothing it committed; a step taken again (the replica groups voted
 no) is written once, when it commits.
 
+With replica groups a process also writes, before its gradients go to the other groups, what the step
+takes (``{"taking": 12, "epoch": 0, "ids": [...], "quorum": 7}``): the other groups may commit the step
+with its gradients after it has died (SIGKILL between the exchange and its own line), and then its
+samples trained although it never wrote the step.
+
 ``ATTEMPT`` is rank 0's clock when the engine started, shared by every rank of the process group:
 a restart, a requeue or a resume on another world size is a later attempt. The ledger's own entry in
 the engine's state names the attempt (and replica group) whose state it is and its step; when a
@@ -36,7 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LEDGER_DIR = "ledger"
-FORMAT = 1
+FORMAT = 2
+"""The header's ``ledger``: 2 added the ``taking`` lines (files of format 1 read the same)."""
 
 
 def attempt_id(all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None, rank: int) -> int:
@@ -91,6 +97,15 @@ class SampleLedger:
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
         self._ids = []
 
+    def taking(self, quorum: int) -> None:
+        """The step's samples, as its gradients go to the other replica groups of ``quorum``."""
+        if self._file is None:
+            self._open()
+        line = {"taking": self._steps() + 1, "epoch": self._epoch, "ids": self._ids, "quorum": quorum,
+                "time": round(time.time(), 3)}  # fmt: skip
+        assert self._file is not None
+        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+
     def discarded(self) -> None:
         """The step is taken again, with the same samples: forget what it took."""
         self._ids = []
@@ -128,3 +143,16 @@ class SampleLedger:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class QuorumLedger:
+    """With replica groups: a step feature (``step_begin``) writing, on an accumulation boundary,
+    what the step takes before its gradients are exchanged, when other groups are in its quorum
+    (``quorum``: torchft's quorum id then, else None)."""
+
+    def __init__(self, ledger: SampleLedger, quorum: Callable[[], int | None]) -> None:
+        self._ledger, self._quorum = ledger, quorum
+
+    def step_begin(self, boundary: bool) -> None:
+        if boundary and (quorum := self._quorum()) is not None:
+            self._ledger.taking(quorum)

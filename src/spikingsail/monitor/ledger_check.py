@@ -5,7 +5,8 @@ steps of the attempt (and replica group) that holds it, and wherever a state was
 from a checkpoint, a group healed from a live one — on into the attempt whose state it was, from
 that step down. A step on that path counts with the samples of every process that took it with it:
 the ranks of its attempt, or (replica groups) every group in the same torchft quorum (a group alone
-in its quorum records none: it took the step with its own ranks only). Every other
+in its quorum records none: it took the step with its own ranks only; a group killed after its
+gradients went to the quorum, before it wrote the step, counts with what it wrote it took). Every other
 step's work was set aside (taken again after a restart, or dropped by a group that healed from
 another). Then it checks each epoch: no sample twice, and in an epoch whose steps are all there,
 every sample it has once; the steps in order, none missing. Replica groups that ended together
@@ -49,6 +50,8 @@ class Segment:
     records: dict[int, Record] = field(default_factory=dict)
     order: list[int] = field(default_factory=list)
     """The steps in the file's order (a step written twice is in ``records`` once)."""
+    taking: dict[int, Record] = field(default_factory=dict)
+    """Replica groups: what each step took as its gradients went to the other groups in its quorum."""
 
 
 @dataclass(slots=True)
@@ -132,13 +135,7 @@ def _read(path: Path) -> LedgerFile:
             elif "from" in value:
                 parsed.segments.append(_origin(value))
             else:
-                record = _record(value)
-                if not parsed.segments:
-                    parsed.segments.append(
-                        Segment(record[0] - 1, None, float(parsed.header.get("started", 0)))
-                    )
-                parsed.segments[-1].records[record[0]] = record
-                parsed.segments[-1].order.append(record[0])
+                _add_step(parsed, value)
         except (ValueError, KeyError, TypeError) as err:
             if number == len(lines) and not ended:
                 if parsed is not None:
@@ -155,11 +152,26 @@ def _read(path: Path) -> LedgerFile:
     return parsed
 
 
+def _add_step(parsed: LedgerFile, value: dict[str, Any]) -> None:
+    """A committed step's line, or (``taking``) what a step took as its gradients left for the quorum."""
+    taking = "taking" in value
+    record = _record({**value, "step": value["taking"]} if taking else value)
+    if taking and record[3] is None:
+        raise ValueError("a taking line names its quorum")
+    if not parsed.segments:
+        parsed.segments.append(Segment(record[0] - 1, None, float(parsed.header.get("started", 0))))
+    if taking:
+        parsed.segments[-1].taking[record[0]] = record
+    else:
+        parsed.segments[-1].records[record[0]] = record
+        parsed.segments[-1].order.append(record[0])
+
+
 def _header(value: dict[str, Any]) -> dict[str, Any]:
-    if value.get("ledger") != FORMAT or not all(
+    if value.get("ledger") not in range(1, FORMAT + 1) or not all(
         isinstance(value.get(key, 0), int) for key in ("attempt", "rank", *FACTS)
     ) or "attempt" not in value or not isinstance(value.get("group"), int | None):  # fmt: skip
-        raise ValueError(f"not a ledger header of format {FORMAT}")
+        raise ValueError(f"not a ledger header of a format up to {FORMAT}")
     return value
 
 
@@ -207,6 +219,7 @@ def resolve(run: Path) -> Ledger:
                 at = step, _together(item, index, quorum)
                 taken[at].extend(ids)
                 epochs[at].add(epoch)
+    _count_taken_by_the_dead(files, taken, epochs)
     # a chain's path is read in the file of its lowest rank (every rank loads the same states)
     lead = {chain: min(own, key=lambda f: f.header.get("rank", 0)) for chain, own in chains.items()}
     last = {chain: record for chain, item in lead.items() if (record := item.last) is not None}
@@ -234,6 +247,20 @@ def resolve(run: Path) -> Ledger:
                              for step, _, _, quorum, _ in segment.records.values())  # fmt: skip
     _check_steps(ledger)
     return ledger
+
+
+def _count_taken_by_the_dead(
+    files: list[LedgerFile], taken: dict[tuple[int, Any], list[int]], epochs: dict[tuple[int, Any], set[int]]
+) -> None:
+    """A process killed after its gradients went to its quorum, before it wrote the step, which the
+    quorum's other groups committed: its samples trained in that step too."""
+    for item in files:
+        for index, segment in enumerate(item.segments):
+            for step, epoch, ids, quorum, _ in segment.taking.values():
+                at = step, _together(item, index, quorum)
+                if step not in segment.records and at in taken:
+                    taken[at].extend(ids)
+                    epochs[at].add(epoch)
 
 
 def _check_ending(

@@ -4,6 +4,7 @@ job), nothing is left in any filesystem however the job ends, and no other user 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -158,3 +159,37 @@ def test_a_record_that_cannot_be_made_stops_every_rank_saying_which_and_why() ->
         assert text.startswith("sail.hang_timeout_seconds: rank 1 on "), said
         assert "cannot make its progress record" in text and "File too large" in text, said
         assert "sail.hang_timeout_seconds to 0" in text, said
+
+
+def _watch_where_memfd_is_missing() -> tuple[str, list[str]]:
+    """In a two-rank job: the engine's hang watch on a platform without ``memfd_create``."""
+    from spikingsail.config.schema import SailSection
+    from spikingsail.engine import features
+    from spikingsail.engine.state import StepCounters
+    from spikingsail.environments import RankInfo
+
+    dist.init_process_group("gloo")
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("spikingsail.engine.features").addHandler(handler)
+    heartbeat.AVAILABLE = False
+    try:
+        rank = dist.get_rank()
+        info = RankInfo(rank=rank, local_rank=rank, world_size=2, local_world_size=2, master_addr="127.0.0.1",
+                        master_port=0, source="torchrun")  # fmt: skip
+        with contextlib.ExitStack() as closing:
+            beat = features.hang_watch(
+                SailSection(), info, StepCounters(accumulation=1), Path(tempfile.gettempdir()), closing
+            )
+        return type(beat).__name__, said
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_where_memfd_is_missing_the_watch_is_off_with_a_warning_not_a_crash() -> None:
+    ranks = run_ranks(_watch_where_memfd_is_missing, 2)
+    assert [name for name, _ in ranks.values()] == ["NoHeartbeat", "NoHeartbeat"]
+    assert ranks[1][1] == [] and len(ranks[0][1]) == 1, ranks
+    assert "the hang watch needs Linux (memfd_create and /proc); it is off here" in ranks[0][1][0]

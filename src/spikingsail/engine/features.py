@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -70,6 +71,11 @@ def hang_watch(
     ``NoHeartbeat`` when off (a single process, or a timeout of 0). Collective when on."""
     world_size = rank_info.world_size
     if not (sail.hang_timeout_seconds and world_size > 1 and dist.is_initialized()):
+        return NoHeartbeat()
+    if not heartbeat.AVAILABLE:
+        if rank_info.is_rank_zero:
+            log.warning("sail.hang_timeout_seconds: the hang watch needs Linux (memfd_create and /proc); "
+                        "it is off here (%s)", sys.platform)  # fmt: skip
         return NoHeartbeat()
     if sail.hang_timeout_seconds >= 60 * sail.timeout_minutes and rank_info.is_rank_zero:
         log.warning("sail.hang_timeout_seconds (%g) is not below sail.timeout_minutes (%g min): a hung "

@@ -94,8 +94,8 @@ class Progress:
 
 
 def read_record(path: Path) -> Progress | None:
-    """A rank's last record, or None before it wrote one (or where it cannot be read). Read until two reads agree: the rank
-    may be writing it at that moment."""
+    """A rank's last record, or None before it wrote one (or where it cannot be read). Read until two
+    reads agree: the rank may be writing it at that moment."""
     try:
         with path.open("rb") as f:
             data = f.read(RECORD.size)

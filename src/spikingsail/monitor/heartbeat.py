@@ -51,6 +51,9 @@ from spikingsail.monitor.hangreport import (
 )
 from spikingsail.monitor.hangwatch import Spec
 
+AVAILABLE = hasattr(os, "memfd_create")
+"""The records are memfd pages, which the watch (reading ``/proc``) opens: Linux only."""
+
 STACK_SIGNAL = signal.SIGUSR2
 """Without py-spy, the watch asks a rank for its Python stacks with this signal (faulthandler)."""
 

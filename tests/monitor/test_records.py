@@ -5,6 +5,7 @@ job), nothing is left in any filesystem however the job ends, and no other user 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -127,24 +128,37 @@ def test_another_user_cannot_read_the_records() -> None:
     assert len(seen) == 2 and set(seen.values()) == {"PermissionError"}, seen
 
 
-def _start_with_no_room(failing_rank: int) -> str:
-    """In a two-rank job: the hang watch's start, on one rank under a file-size limit of 0
-    (``ulimit -f 0``), which a page of shared memory counts against too."""
-    dist.init_process_group("gloo")
+def test_a_page_past_the_file_size_limit_is_refused_by_the_kernel() -> None:
+    """``ulimit -f 0``: a memfd page counts against it, and making the record fails (EFBIG)."""
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    failing = dist.get_rank() == failing_rank
-    if failing:  # without the signal the limit sends, the write fails with EFBIG
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (0, limit[1]))
+    before = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the limit's signal ends the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, limit[1]))
     try:
+        with pytest.raises(OSError, match="File too large"):
+            heartbeat.Heartbeat(0, stacks=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, before)
+
+
+def _start_with_a_refused_record(failing_rank: int) -> str:
+    """In a two-rank job: the hang watch's start, where the kernel refuses one rank's record. The
+    refusal is the kernel's answer (ENOMEM) at ``memfd_create`` on that rank only: a real limit
+    (``ulimit -f 0``, no descriptor left) would hold for the rest of the process too, its sockets and
+    writes, while the test's ranks still talk."""
+    dist.init_process_group("gloo")
+    try:
+        if dist.get_rank() == failing_rank:
+
+            def refused(name: str, flags: int = 0) -> int:
+                raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+            os.memfd_create = refused  # type: ignore[assignment]
         try:
             beat, watch = heartbeat.start(rank=dist.get_rank(), world_size=2, timeout=5,
                                           report_dir=tempfile.gettempdir(), board_host=None)  # fmt: skip
         except SailError as err:
             return str(err)
-        finally:
-            if failing:
-                resource.setrlimit(resource.RLIMIT_FSIZE, limit)
         heartbeat.stop(watch)
         beat.close()
         return "started"
@@ -154,10 +168,10 @@ def _start_with_no_room(failing_rank: int) -> str:
 
 @pytest.mark.multiprocess
 def test_a_record_that_cannot_be_made_stops_every_rank_saying_which_and_why() -> None:
-    said = run_ranks(_start_with_no_room, 2, 1)
+    said = run_ranks(_start_with_a_refused_record, 2, 1)
     for text in said.values():  # both ranks: the other one does not wait for a watch that never comes
         assert text.startswith("sail.hang_timeout_seconds: rank 1 on "), said
-        assert "cannot make its progress record" in text and "File too large" in text, said
+        assert "cannot make its progress record" in text and "Cannot allocate memory" in text, said
         assert "sail.hang_timeout_seconds to 0" in text, said
 
 

@@ -35,9 +35,10 @@ PRELOAD = [
     "torch._dynamo",
     "torch.distributed.checkpoint",
     "tests.multiprocess",
+    "tests.frozen",  # last: freezes what the server holds before it forks any rank
 ]
 if importlib.util.find_spec("deepspeed") is not None:  # before tests.multiprocess: its environment
-    PRELOAD.insert(-1, "tests.deepspeed_cpu")
+    PRELOAD.insert(-2, "tests.deepspeed_cpu")
 multiprocessing.set_forkserver_preload(PRELOAD)
 
 START_METHOD = "spawn" if torch.cuda.is_available() else "forkserver"

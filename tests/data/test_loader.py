@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy
 import torch
 from torch.utils.data import TensorDataset
 
 import spikingsail
-from spikingsail.data.digits import load_digits_split
+from spikingsail.data.digits import digits_arrays, load_digits_split
 from spikingsail.data.loader import ShardedLoader
 from spikingsail.environments import RankInfo
 
@@ -48,6 +53,29 @@ def test_digits_are_the_real_bundled_images() -> None:
     image, label = train[0]
     assert image.shape == (1, 8, 8) and float(image.min()) >= 0.0 and float(image.max()) <= 1.0
     assert 0 <= int(label) <= 9
+
+
+def test_digits_read_without_scikit_learn_are_what_its_load_digits_gives(tmp_path: Path) -> None:
+    """Read from scikit-learn's file directly, and through ``load_digits()`` where that file is not
+    found (a scikit-learn that moved it): the same images, labels and dtypes either way."""
+    from sklearn.datasets import load_digits
+
+    theirs = load_digits()
+    for locations in (None, [str(tmp_path)]):
+        images, target = digits_arrays(locations)
+        assert images.dtype == theirs.images.dtype and target.dtype == theirs.target.dtype
+        assert numpy.array_equal(images, theirs.images) and numpy.array_equal(target, theirs.target)
+
+
+def test_the_digits_load_without_importing_scikit_learn() -> None:
+    """What each rank of the main job pays for its data: no scikit-learn, and so no SciPy."""
+    probe = (
+        "import sys; from spikingsail.data.digits import digits_arrays, load_digits_split; "
+        "train, test = load_digits_split(); assert len(train) + len(test) == 1797; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 def test_global_order_matches_torch_distributed_sampler() -> None:

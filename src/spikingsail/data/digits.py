@@ -2,16 +2,49 @@
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import TensorDataset
 
 from spikingsail.errors import SailError
 
+DATA_FILE = ("datasets", "data", "digits.csv.gz")
+"""Where scikit-learn keeps the digits, under its package directory: one row per image, its 64
+pixels and then its label, comma-separated."""
+
 
 def load_digits_split(test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     """Train and test sets of ``(image [1, 8, 8] in 0..1, label)``, split the same way on every rank."""
+    pixels, target = digits_arrays()
+    images = torch.tensor(pixels, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(target, dtype=torch.long)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    n_test = int(len(labels) * test_fraction)
+    test, train = order[:n_test], order[n_test:]
+    return TensorDataset(images[train], labels[train]), TensorDataset(images[test], labels[test])
+
+
+def digits_arrays(locations: Sequence[str] | None = None) -> tuple[Any, Any]:
+    """The digits as ``sklearn.datasets.load_digits()`` gives them (``images``: 1797 × 8 × 8 floats,
+    ``target``: their labels), read from scikit-learn's own file as it reads it, without importing
+    scikit-learn (which imports SciPy: over a CPU-second in each rank); where that file is not
+    where this scikit-learn's ``locations`` (its package directories) say, from ``load_digits()``."""
+    if locations is None:
+        spec = importlib.util.find_spec("sklearn")  # finds the package without running it
+        locations = list(spec.submodule_search_locations or ()) if spec is not None else []
+    for location in locations:
+        path = Path(location, *DATA_FILE)
+        if path.is_file():
+            import numpy
+
+            with gzip.open(path, mode="rt", encoding="utf-8") as rows:
+                data = numpy.loadtxt(rows, delimiter=",")
+            return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int, copy=False)
     try:
         from sklearn.datasets import load_digits
     except ImportError:
@@ -21,12 +54,7 @@ def load_digits_split(test_fraction: float = 0.2, seed: int = 0) -> tuple[Tensor
             "pip install 'spikingsail[examples]' (or scikit-learn)",
         ) from None
     data = load_digits()
-    images = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(data.target, dtype=torch.long)
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
-    n_test = int(len(labels) * test_fraction)
-    test, train = order[:n_test], order[n_test:]
-    return TensorDataset(images[train], labels[train]), TensorDataset(images[test], labels[test])
+    return data.images, data.target
 
 
 def write_image_folder(root: str | Path, size: int = 32, test_fraction: float = 0.2) -> Path:

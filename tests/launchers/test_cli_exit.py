@@ -1,5 +1,6 @@
 """The ``sail`` command ends without the interpreter's teardown of its modules, and loses nothing by it:
-its exit status, its output to a pipe, what its threads and atexit handlers do."""
+its exit status, its output to a pipe, what its threads and atexit handlers do. It imports a
+command's modules with the garbage collector off and then freezes them."""
 
 from __future__ import annotations
 
@@ -55,3 +56,25 @@ def test_the_console_script_takes_the_same_exit() -> None:
     assert "from spikingsail.cli.main import entry" in script.read_text()
     run = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=60, check=False)
     assert (run.returncode, run.stdout) == (0, f"sail {__version__}\n")
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_commands_modules_are_imported_with_the_collector_off_and_then_frozen(enabled: bool) -> None:
+    """``sail COMMAND`` imports the command's module (torch, for ``launch``) with no garbage
+    collection, then freezes what it built; the collector is left as it was found."""
+    probe = textwrap.dedent(f"""
+        import gc, sys
+        from spikingsail.cli import main
+        if not {enabled}:
+            gc.disable()
+        seen = []
+        gc.callbacks.append(lambda phase, info: seen.append(phase))
+        main._import_quietly("spikingsail.cli.launch")
+        assert "torch" in sys.modules
+        print(len(seen), gc.isenabled(), gc.get_freeze_count() > 100_000)
+    """)
+    run = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["0", str(enabled), "True"]

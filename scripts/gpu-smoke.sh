@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks, in a few minutes, on a machine with one or more NVIDIA GPUs: the main job on nccl,
 # the main job under every backend, replica groups, resume, the requires_cuda tests, the
-# communication bench and the engine-versus-plain-loop benchmark (benchmarks/gpu.py, its table last).
-# Prints a pass/fail table; the exit status is the number of failed rows. Logs: $SMOKE_DIR.
+# communication bench and the engine-versus-plain-loop benchmark (benchmarks/gpu.py: run first, the
+# longest check; its table last). Prints a pass/fail table; the exit status is the number of failed
+# rows. Logs: $SMOKE_DIR. A check that runs past $SMOKE_CHECK_SECONDS (default 600) fails.
 #
 #   bash scripts/gpu-smoke.sh                  (after scripts/setup.sh --backends)
 set -uo pipefail
@@ -11,6 +12,7 @@ cd "$root"
 python=${PYTHON:-$root/.venv/bin/python}
 sail=(env DS_ACCELERATOR=cuda "$python" -m spikingsail.cli.main)
 logs=${SMOKE_DIR:-$(mktemp -d -t sail-gpu-smoke-XXXX)}
+limit=${SMOKE_CHECK_SECONDS:-600}
 mkdir -p "$logs"
 
 gpus=$("$python" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
@@ -31,7 +33,7 @@ check() {  # check NAME EXPECTED-OUTPUT-REGEX COMMAND...: passes when it exits 0
   local name=$1 expect=$2 log="$logs/$(echo "$1" | tr -c 'a-zA-Z0-9' _).log" start
   shift 2
   start=$(date +%s)
-  if "$@" >"$log" 2>&1 && grep -Eq "$expect" "$log"; then status=PASS; else status=FAIL; fi
+  if timeout "$limit" "$@" >"$log" 2>&1 && grep -Eq "$expect" "$log"; then status=PASS; else status=FAIL; fi
   row "$name" "$(( $(date +%s) - start ))" "$status"
   [ "$status" = PASS ] || echo "  $name failed: see $log" >&2
 }
@@ -48,6 +50,10 @@ json.dump(config, open(path, "w"))
 EOF
   echo "$path"
 }
+
+# the engine against the plain loop on one GPU (minutes): its table follows this one
+bench="benchmarks/gpu.py (engine ÷ plain loop)"
+check "$bench" 'engine÷plain' env DS_ACCELERATOR=cuda "$python" benchmarks/gpu.py
 
 accuracy='test accuracy: 0\.9[5-9]|test accuracy: 1\.0'
 check "main job, ddp on nccl" "$accuracy" "${sail[@]}" launch -n "$nproc" examples/train_digits.py
@@ -93,9 +99,6 @@ check "save every 20 steps, then --resume" "$accuracy" bash -c "
   ${sail[*]} launch -n $nproc examples/train_digits.py --sail-config $saving --resume --checkpoints-path $checkpoints"
 check "requires_cuda tests" ' passed' env DS_ACCELERATOR=cuda "$python" -m pytest -q -m requires_cuda tests/gpu
 check "sail bench comm (nccl)" 'all-reduce|all_reduce' "${sail[@]}" bench comm -n "$nproc"
-# the engine against the plain loop on one GPU (about 5 minutes): its table follows this one
-bench="benchmarks/gpu.py (engine ÷ plain loop)"
-check "$bench" 'engine÷plain' env DS_ACCELERATOR=cuda "$python" benchmarks/gpu.py
 
 echo
 printf '%-44s %-5s %7s\n' check result time

@@ -29,7 +29,11 @@ def _on_gpu(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, tor
 
 @pytest.mark.parametrize("snn", [{"backend": "triton"}, {"backend": "triton", "time_chunk": 2}])
 def test_the_triton_kernels_train_as_the_plain_loop_on_them_does(snn: dict[str, Any]) -> None:
-    model = chunkable_snn(T, batch_norm=False)
+    """In chunks, without torch's per-element dropout: CUDA's Philox generator starts each kernel
+    launch at a rounded-up offset, so three chunks' draws are not the whole step's one draw (on an
+    H200 the first convolution's gradients after one step differed by 17% of the largest, on the
+    torch ops and on Triton alike; by 1e-10 without that dropout). The chunks replay their own draws in the recompute."""
+    model = chunkable_snn(T, batch_norm=False, elementwise_dropout="time_chunk" not in snn)
     functional.set_step_mode(model, "m")
     plain = copy.deepcopy(model).cuda()
     optimizer = torch.optim.SGD(plain.parameters(), lr=0.5)

@@ -34,10 +34,11 @@ def spiking_cnn() -> nn.Module:
     )
 
 
-def chunkable_snn(time_steps: int, batch_norm: bool = True) -> nn.Module:
+def chunkable_snn(time_steps: int, batch_norm: bool = True, elementwise_dropout: bool = True) -> nn.Module:
     """A multi-step spiking CNN whose every part splits exactly into time chunks: batch norm through
     time (one norm per step), spikingjelly's Dropout (one mask for all steps, kept as neuron-like
-    state) and torch's Dropout per element (a fresh draw that a recompute must replay)."""
+    state) and torch's Dropout per element (a fresh draw that a recompute must replay; on a CPU
+    the chunks' draws continue one stream, as the whole step's one draw does, on CUDA they do not)."""
     torch.manual_seed(0)
     return nn.Sequential(
         layer.Conv2d(1, 4, 3, padding=1, bias=False),
@@ -45,7 +46,7 @@ def chunkable_snn(time_steps: int, batch_norm: bool = True) -> nn.Module:
         lif(),
         layer.Dropout(0.25),
         layer.Flatten(),
-        layer.SeqToANNContainer(nn.Dropout(0.1)),
+        layer.SeqToANNContainer(nn.Dropout(0.1)) if elementwise_dropout else nn.Identity(),
         layer.Linear(4 * 4 * 4, 3),
         lif(),
     )

@@ -26,6 +26,9 @@ The rows:
 * ``resnet50-zero2``, ``resnet50-fsdp2``: fp32 (DeepSpeed's bf16 is a bf16 model, not autocast),
   contiguous (ZeRO flattens every parameter into one buffer, which a channels_last weight cannot
   join), the engine on DeepSpeed ZeRO-2 and on FSDP2 over one GPU, against the plain fp32 loop;
+* ``resnet50-zero2-vs-deepspeed``: the engine on ZeRO-2 against DeepSpeed's own loop at the same
+  stage (``deepspeed.initialize``, ``ds(x)``, ``ds.backward(loss)``, ``ds.step()``, the same SGD):
+  what the engine adds to DeepSpeed, where the row above counts DeepSpeed's own cost too;
 * ``sew18-t4-torch``, ``sew18-t4-fused``, ``sew18-t16-torch``, ``sew18-t16-fused``: spikingjelly's
   SEW-ResNet-18 (IF neurons, ADD connections), multi-step, T = 4 and 16, 128×128, batch 32, fp32; the
   neurons on spikingjelly's torch ops and on its fused Triton kernels (``snn.backend``); both loops
@@ -72,6 +75,7 @@ class Row:
     monitoring: bool = True
     time_steps: int = 0  # a spiking network's T
     kernels: str = "torch"  # snn.backend
+    baseline: str = "torch"  # the loop measured against: plain torch, or "deepspeed"'s own
 
     @property
     def channels_last(self) -> bool:
@@ -83,6 +87,7 @@ ROWS = (
     Row("resnet50-eager", "resnet50", bf16=True),
     Row("resnet50-monitoring-off", "resnet50", bf16=True, monitoring=False),
     Row("resnet50-zero2", "resnet50", backend="deepspeed", zero_stage=2),
+    Row("resnet50-zero2-vs-deepspeed", "resnet50", backend="deepspeed", zero_stage=2, baseline="deepspeed"),
     Row("resnet50-fsdp2", "resnet50", backend="fsdp"),
     Row("sew18-t4-torch", "sew18", time_steps=4),
     Row("sew18-t4-fused", "sew18", time_steps=4, kernels="triton"),
@@ -166,6 +171,8 @@ def plain_loop(
     row: Row, model: nn.Module, size: Size, device: torch.device
 ) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """The loop a user writes without the engine."""
+    if row.baseline == "deepspeed":
+        return deepspeed_loop(row, model, size, device)
     model = model.to(device)
     if row.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -186,6 +193,32 @@ def plain_loop(
             from spikingjelly.activation_based import functional
 
             functional.reset_net(model)
+        _synchronize(device)
+
+    return step
+
+
+def deepspeed_loop(
+    row: Row, model: nn.Module, size: Size, device: torch.device
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """DeepSpeed's own loop at the row's ZeRO stage, as its documentation shows, with the same SGD."""
+    import deepspeed
+
+    ds, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer_for(model),
+        config={
+            "train_micro_batch_size_per_gpu": size.of(row)[1],
+            "zero_optimization": {"stage": row.zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 2**62,
+        },
+    )
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = F.cross_entropy(ds(x), y)
+        ds.backward(loss)
+        ds.step()
         _synchronize(device)
 
     return step
@@ -244,6 +277,8 @@ def measure(row: Row, size: Size, device: torch.device) -> dict[str, Any]:
     note = ""
     if kernels != "torch" and device.type != "cuda":
         kernels, note = "torch", "fused kernels need CUDA: torch ops here"
+    if row.baseline == "deepspeed":
+        note = "plain: DeepSpeed's own loop"
     base = build(row, size.small)
     engine, through_engine = engine_loop(row, copy.deepcopy(base), size, kernels)  # sets the kernels first
     try:

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import enum
 import hashlib
+import io
 import json
 import os
+import pathlib
 import pickle
+import types
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 import spikingsail
@@ -58,6 +64,96 @@ def test_hostile_metadata_is_refused(tmp_path: Path) -> None:
     assert "could run code on load" in str(err.value)
     assert not marker.exists()
     e.close()
+
+
+class EnumsByName(pickle.Pickler):
+    """Pickles enum members as early Python 3.11 releases do (3.11.2): ``getattr(EnumClass, "NAME")``."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+class Getattr:
+    """Unpickles as ``getattr(owner, name)``: the enum form, pointed at something else."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (getattr, (self.owner, self.name))
+
+
+def saved(tmp_path: Path) -> tuple[spikingsail.Engine, Path]:
+    e = engine()
+    e.backward(e(torch.ones(2, 3)).sum())
+    e.step()
+    return e, Path(e.save_checkpoint(tmp_path / "ckpt"))
+
+
+def test_metadata_written_by_python_3_11_2_loads(tmp_path: Path) -> None:
+    e, checkpoint = saved(tmp_path)
+    metadata = checkpoint / "state" / ".metadata"
+    with metadata.open("rb") as handle:
+        trusted = pickle.load(handle)  # our own file, just written
+    by_name = io.BytesIO()
+    EnumsByName(by_name, protocol=pickle.HIGHEST_PROTOCOL).dump(trusted)
+    assert b"getattr" in by_name.getvalue() and b"_MEM_FORMAT_ENCODING" in by_name.getvalue()
+    metadata.write_bytes(by_name.getvalue())
+    reseal(checkpoint, "state/.metadata")
+    weights = [p.detach().clone() for p in e.module.parameters()]
+    with torch.no_grad():
+        for p in e.module.parameters():
+            p.zero_()
+    e.load_checkpoint(tmp_path / "ckpt")
+    for p, w in zip(e.module.parameters(), weights, strict=True):
+        assert torch.equal(p, w)
+    e.close()
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "named"),
+    [
+        (pathlib.PosixPath, "__new__", r"getattr\(<class 'pathlib\.PosixPath'>, '__new__'\)"),
+        (
+            _MEM_FORMAT_ENCODING,
+            "__init__",
+            r"getattr\(<enum '_MEM_FORMAT_ENCODING'>, '__init__'\)",
+        ),
+    ],
+)
+def test_getattr_in_metadata_is_refused_but_for_a_member_of_dcps_enums(
+    tmp_path: Path, owner: Any, name: str, named: str
+) -> None:
+    e, checkpoint = saved(tmp_path)
+    (checkpoint / "state" / ".metadata").write_bytes(pickle.dumps(Getattr(owner, name)))
+    reseal(checkpoint, "state/.metadata")
+    with pytest.raises(CheckpointError, match=f"metadata refers to {named}") as err:
+        e.load_checkpoint(tmp_path / "ckpt")
+    assert "could run code on load" in str(err.value)
+    e.close()
+
+
+class Stage(enum.Enum):
+    WEIGHTS = 3
+
+
+def test_a_weights_only_file_with_enums_pickled_by_name_loads_and_its_getattr_reaches_only_members(
+    tmp_path: Path,
+) -> None:
+    """DeepSpeed's own files (its ZeRO stage enum) as Python 3.11.2 writes them."""
+    by_name = types.ModuleType("enums_by_name")
+    by_name.Pickler = EnumsByName  # type: ignore[attr-defined]
+    path, other = tmp_path / "state.pt", tmp_path / "other.pt"
+    torch.save({"stage": Stage.WEIGHTS, "weight": torch.ones(2)}, path, pickle_module=by_name)
+    with zipfile.ZipFile(path) as archive:
+        assert b"getattr" in archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+    loaded = dcp_io.load_weights_only(path, allowed_globals=[Stage])
+    assert loaded["stage"] is Stage.WEIGHTS and torch.equal(loaded["weight"], torch.ones(2))
+    torch.save({"stage": Getattr(Stage, "__init__")}, other)
+    with pytest.raises(CheckpointError, match=r"cannot read .*other\.pt"):
+        dcp_io.load_weights_only(other, allowed_globals=[Stage])
 
 
 def test_a_value_that_is_not_plain_data_is_refused(tmp_path: Path) -> None:

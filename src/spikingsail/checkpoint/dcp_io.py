@@ -13,6 +13,7 @@ that knows only DCP's own metadata classes, and non-tensor values through
 from __future__ import annotations
 
 import contextlib
+import enum
 import io
 import pickle
 import warnings
@@ -183,6 +184,21 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+def enum_member(cls: Any, name: Any) -> Any:
+    """``getattr(EnumClass, "MEMBER")``, the form in which early Python 3.11 releases (3.11.2, Debian
+    12's) pickle an enum member (3.10, 3.11.7 and 3.12 pickle ``EnumClass(value)``), for a member of
+    an enum and nothing else: the unpicklers map ``builtins.getattr`` to this, the enum class having
+    passed their allowlist as any other global."""
+    if (
+        isinstance(cls, type)
+        and issubclass(cls, enum.Enum)
+        and isinstance(name, str)
+        and name in cls.__members__
+    ):
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not a member of an enum")
+
+
 def load_weights_only(
     path: Any, map_location: Any = "cpu", *, allowed_globals: Sequence[Any] = (),
     holds: str = "tensors and plain data", **kwargs: Any,
@@ -191,7 +207,7 @@ def load_weights_only(
     caller asks (plain unpickling would let a checkpoint directory run code) and only
     ``allowed_globals`` beyond torch's own; a missing or unreadable file as ``CheckpointError``."""
     try:
-        with torch.serialization.safe_globals(list(allowed_globals)):
+        with torch.serialization.safe_globals([*allowed_globals, (enum_member, "builtins.getattr")]):
             return torch.load(path, map_location=map_location, **{**kwargs, "weights_only": True})
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing", fix="resume from another checkpoint") from None
@@ -228,11 +244,23 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise CheckpointError(
-            f"checkpoint metadata refers to {module}.{name}",
-            "DCP metadata holds only DCP's own classes, sizes and dtypes; anything else could run code on load",
-            "do not load this checkpoint; it was not written by torch.distributed.checkpoint",
-        )
+        if (module, name) == ("builtins", "getattr"):  # an enum member, as Python 3.11.2 pickles one
+            return self._enum_member
+        raise _refused(f"{module}.{name}")
+
+    def _enum_member(self, cls: Any, name: Any) -> Any:  # cls passed find_class: one of DCP's classes
+        try:
+            return enum_member(cls, name)
+        except pickle.UnpicklingError:
+            raise _refused(f"getattr({cls!r}, {name!r})") from None
+
+
+def _refused(what: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint metadata refers to {what}",
+        "DCP metadata holds only DCP's own classes, sizes and dtypes; anything else could run code on load",
+        "do not load this checkpoint; it was not written by torch.distributed.checkpoint",
+    )
 
 
 @contextlib.contextmanager

@@ -81,28 +81,34 @@ def interleaved(
 Step = Callable[[torch.Tensor, torch.Tensor], None]
 
 
+def deepspeed_own(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batch: int, stage: int) -> Step:
+    """DeepSpeed's own loop at a ZeRO stage, as its documentation shows: ``deepspeed.initialize``,
+    ``ds(x)``, ``ds.backward(loss)``, ``ds.step()``."""
+    import deepspeed
+
+    ds, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        config={
+            "train_micro_batch_size_per_gpu": micro_batch,
+            "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True,  # plain SGD, as the engine's loop uses
+            "steps_per_print": 2**62,
+        },
+    )
+
+    def ds_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = F.cross_entropy(ds(x), y)
+        ds.backward(loss)
+        ds.step()
+
+    return ds_step
+
+
 def by_hand(model: nn.Module, backend: str, stage: int) -> Step:
     """The backend used directly, as its own documentation shows, with plain SGD."""
     if backend == "deepspeed":
-        import deepspeed
-
-        ds, *_ = deepspeed.initialize(
-            model=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
-            config={
-                "train_micro_batch_size_per_gpu": MICRO_BATCH,
-                "zero_optimization": {"stage": stage},
-                "zero_allow_untested_optimizer": True,  # plain SGD, as the engine's loop uses
-                "steps_per_print": 2**62,
-            },
-        )
-
-        def ds_step(x: torch.Tensor, y: torch.Tensor) -> None:
-            loss = F.cross_entropy(ds(x), y)
-            ds.backward(loss)
-            ds.step()
-
-        return ds_step
+        return deepspeed_own(model, torch.optim.SGD(model.parameters(), lr=0.01), MICRO_BATCH, stage)
     if backend == "horovod":
         import horovod.torch as hvd
 

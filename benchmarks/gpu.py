@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from engine_vs_ddp import interleaved  # this directory is on sys.path when a benchmark runs
+from engine_vs_ddp import deepspeed_own, interleaved  # this directory is on sys.path when a benchmark runs
 from torch import nn
 
 import spikingsail
@@ -201,24 +201,11 @@ def plain_loop(
 def deepspeed_loop(
     row: Row, model: nn.Module, size: Size, device: torch.device
 ) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """DeepSpeed's own loop at the row's ZeRO stage, as its documentation shows, with the same SGD."""
-    import deepspeed
-
-    ds, *_ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer_for(model),
-        config={
-            "train_micro_batch_size_per_gpu": size.of(row)[1],
-            "zero_optimization": {"stage": row.zero_stage},
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 2**62,
-        },
-    )
+    """DeepSpeed's own loop at the row's ZeRO stage, with the same SGD."""
+    ds_step = deepspeed_own(model, optimizer_for(model), size.of(row)[1], row.zero_stage)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        loss = F.cross_entropy(ds(x), y)
-        ds.backward(loss)
-        ds.step()
+        ds_step(x, y)
         _synchronize(device)
 
     return step

@@ -51,11 +51,16 @@ def reseal(checkpoint: Path, name: str) -> None:
     manifest_path.write_text(json.dumps(manifest))
 
 
-def test_hostile_metadata_is_refused(tmp_path: Path) -> None:
+def saved(tmp_path: Path) -> tuple[spikingsail.Engine, Path]:
+    """An engine after one step, and the checkpoint it saved under ``tmp_path / "ckpt"``."""
     e = engine()
     e.backward(e(torch.ones(2, 3)).sum())
     e.step()
-    checkpoint = Path(e.save_checkpoint(tmp_path / "ckpt"))
+    return e, Path(e.save_checkpoint(tmp_path / "ckpt"))
+
+
+def test_hostile_metadata_is_refused(tmp_path: Path) -> None:
+    e, checkpoint = saved(tmp_path)
     marker = tmp_path / "ran"
     (checkpoint / "state" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     reseal(checkpoint, "state/.metadata")
@@ -83,13 +88,6 @@ class Getattr:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (getattr, (self.owner, self.name))
-
-
-def saved(tmp_path: Path) -> tuple[spikingsail.Engine, Path]:
-    e = engine()
-    e.backward(e(torch.ones(2, 3)).sum())
-    e.step()
-    return e, Path(e.save_checkpoint(tmp_path / "ckpt"))
 
 
 def test_metadata_written_by_python_3_11_2_loads(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.utils._pytree import tree_leaves
 
 from spikingsail.errors import ConfigError
+from spikingsail.precision.exact import float32_exact
 
 Slots = list[tuple[Any, str]]  # (MemoryModule, memory name), as TimeChunking lists them
 Site = tuple[str, str]  # (the module's name, the name of the module whose forward called it)
@@ -167,7 +168,7 @@ def check_chunks(model: nn.Module, x: torch.Tensor, rest: tuple[Any, ...], kwarg
 
 def _runs(model: nn.Module, slots: Slots, call: tuple[Any, ...]) -> bool:
     x, rest, kwargs = call
-    with _restored(model, slots, x.device), torch.no_grad(), _float32(_device_type(model)):
+    with _restored(model, slots, x.device), torch.no_grad(), float32_exact(_device_type(model)):
         try:
             model(x, *rest, **kwargs)
         except Exception:
@@ -243,27 +244,11 @@ def _record(model: nn.Module, stepping: set[int], runs: list[Calls], run: Any) -
 
     handle = model.register_forward_hook(split)  # after the recorder's own hook on the model
     try:
-        with torch.no_grad(), _float32(_device_type(model)):
+        with torch.no_grad(), float32_exact(_device_type(model)):
             run()
     finally:
         handle.remove()
         recorder.close()
-
-
-@contextlib.contextmanager
-def _float32(device_type: str) -> Iterator[None]:
-    """Autocast and TF32 off, cuDNN's algorithm fixed: both runs round as alike as they can."""
-    precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    cudnn = torch.backends.cudnn
-    try:
-        with (
-            torch.autocast(device_type, enabled=False),
-            cudnn.flags(enabled=cudnn.enabled, benchmark=False, deterministic=True, allow_tf32=False),
-        ):
-            yield
-    finally:
-        torch.set_float32_matmul_precision(precision)
 
 
 def _device_type(model: nn.Module) -> str:

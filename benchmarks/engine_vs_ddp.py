@@ -162,7 +162,7 @@ def engine_loop(base: nn.Module, backend: str, stage: int, **sail: object) -> tu
 
 
 def compare(
-    name: str, make: Callable[[], nn.Module], steps: int, backend: str, stage: int
+    name: str, make: Callable[[], nn.Module], steps: int, backend: str, stage: int, warmup: int
 ) -> tuple[float, float, float, float]:
     torch.manual_seed(0)
     base = make()
@@ -171,7 +171,7 @@ def compare(
     bare_step, close_bare = engine_loop(base, backend, stage, hang_timeout_seconds=0, straggler_window=0)
     quiet_step, close_quiet = engine_loop(base, backend, stage, hang_timeout_seconds=0)
     loops = (hand_step, engine_step, bare_step, quiet_step)
-    interleaved(loops, batches(base, WARMUP))
+    interleaved(loops, batches(base, warmup))
     times = interleaved(loops, batches(base, steps))
     close()
     close_bare()
@@ -232,10 +232,9 @@ def count_calls(steps: int) -> list[tuple[str, float]]:
     return rows
 
 
-def heartbeat_cost() -> float:
+def heartbeat_cost(rounds: int) -> float:
     """Seconds per micro-step of the heartbeat alone: forward, backward and step each enter and leave."""
     beat = Heartbeat(0, stacks=False)  # the record in a memfd page, as a rank's
-    rounds = 1_000_000
     start = time.perf_counter()
     for _ in range(rounds):
         beat.enter(FORWARD)
@@ -257,6 +256,8 @@ def main() -> None:
     parser.add_argument("--backend", choices=["ddp", "fsdp", "deepspeed", "horovod"], default="ddp")
     parser.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage for --backend deepspeed")
     parser.add_argument("--calls", action="store_true", help="count Python calls per step instead of timing")
+    parser.add_argument("--small", action="store_true",
+                        help="2 warm-up steps and 1,000 heartbeat rounds: that it runs, not what it measures (CI)")  # fmt: skip
     args = parser.parse_args()
     sail = [sys.executable, "-m", "spikingsail.cli.main", "launch"]
     if args.backend == "horovod":
@@ -278,7 +279,7 @@ def main() -> None:
         dist.destroy_process_group()
         return
     rows = [
-        (name, *compare(name, make, args.steps, args.backend, args.zero_stage))
+        (name, *compare(name, make, args.steps, args.backend, args.zero_stage, 2 if args.small else WARMUP))
         for name, make in MODELS.items()
     ]
     if dist.get_rank() == 0:
@@ -295,7 +296,7 @@ def main() -> None:
             "monitoring: the engine as by default (hang-watch heartbeat and straggler breakdown on) over the "
             "same engine with both off; heartbeat: over the engine with the heartbeat alone off"
         )
-        beat = heartbeat_cost()
+        beat = heartbeat_cost(1_000 if args.small else 1_000_000)
         tiny_step = rows[0][2]
         print(f"heartbeat alone: {beat * 1e6:.2f} µs per micro-step = {100 * beat / tiny_step:.2f}% of the tiny "
               "model's engine step")  # fmt: skip

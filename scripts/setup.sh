@@ -23,14 +23,15 @@ cache=${SPIKINGSAIL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/spikingsail}
 # slower on it: on a 2-core CI machine `import torch` took 2.7-2.8 CPU-s against 3.2-4.0
 # (docs/benchmarks.md#the-test-suite has what it does to the tests).
 python=${PYTHON:-python3}
-if [ -z "${PYTHON:-}" ] && [ -x /usr/bin/python3 ] && [ "$(command -v python3 || true)" != /usr/bin/python3 ] &&
-  /usr/bin/python3 - "$(python3 -c 'import sys; print(sys.version_info[:2])' 2>/dev/null || true)" 2>/dev/null <<'EOF'
+distribution_python=${SAIL_DISTRIBUTION_PYTHON:-/usr/bin/python3}  # another path only in tests/tooling
+if [ -z "${PYTHON:-}" ] && [ -x "$distribution_python" ] && [ "$(command -v python3 || true)" != "$distribution_python" ] &&
+  "$distribution_python" - "$(python3 -c 'import sys; print(sys.version_info[:2])' 2>/dev/null || true)" 2>/dev/null <<'EOF'
 import os, sys, sysconfig
 headers = os.path.join(sysconfig.get_paths()["include"], "Python.h")
 sys.exit(0 if str(sys.version_info[:2]) == sys.argv[1] and os.path.exists(headers) else 1)
 EOF
 then
-  python=/usr/bin/python3
+  python=$distribution_python
 fi
 python_version=$("$python" -c 'import sys; print(sys.version)')
 key=$( (cat "$root"/requirements/{main,dev,nodeps,sdist,backends}.txt "$root/scripts/build-horovod.sh"

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENTS = ROOT / "requirements"
 SETUP = ROOT / "scripts" / "setup.sh"
@@ -218,3 +220,45 @@ def test_the_backends_wait_for_debians_packages_installed_meanwhile_and_stop_if_
                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "pip install --quiet -r" in (venv / "calls").read_text()
+
+
+def wrapper(path: Path, version_info: str | None = None) -> Path:
+    """A python that records its arguments and runs this test's interpreter; ``version_info`` is what it
+    answers to the question about its version's X.Y instead, as a Python of another X.Y would."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    answer = f'case "$*" in *version_info*) echo "{version_info}"; exit 0 ;; esac\n' if version_info else ""
+    path.write_text(f'#!/bin/sh\necho "$*" >> "{path}.calls"\n{answer}exec "{sys.executable}" "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("case", ["same-x.y", "python-set", "other-x.y", "is-python3"])
+def test_the_distributions_python_builds_the_environment_where_it_is_python3s_x_y(
+    tmp_path: Path, case: str
+) -> None:
+    """A distribution's CPython is built with PGO and LTO, pyenv's is not: setup.sh takes /usr/bin/python3
+    (here SAIL_DISTRIBUTION_PYTHON) when it is the X.Y of python3 on PATH, unless PYTHON chooses."""
+    root, cache = checkout(tmp_path), tmp_path / "cache"
+    files = [f"requirements/{name}.txt" for name in ("main", "dev", "nodeps", "sdist", "backends")]
+    environment(cache, f"venv-{key(root, *files, 'scripts/build-horovod.sh')}")
+    on_path = wrapper(tmp_path / "bin" / "python3", "(3, 99)" if case == "other-x.y" else None)
+    distribution = on_path if case == "is-python3" else wrapper(tmp_path / "usr" / "bin" / "python3")
+    env = {**os.environ, "SPIKINGSAIL_CACHE": str(cache), "PATH": f"{on_path.parent}:{os.environ['PATH']}",
+           "SAIL_DISTRIBUTION_PYTHON": str(distribution)}  # fmt: skip
+    env.pop("PYTHON", None)
+    if case == "python-set":
+        env["PYTHON"] = str(on_path)
+    subprocess.run(["bash", str(root / "scripts" / "setup.sh"), "--main"], env=env, capture_output=True,
+                   text=True, timeout=60, check=True)  # fmt: skip
+    calls = Path(f"{distribution}.calls").read_text() if Path(f"{distribution}.calls").exists() else ""
+    reads_version = "-c import sys; print(sys.version)\n"
+    if case == "same-x.y":
+        assert reads_version in calls  # the environment's interpreter: its version is in the key
+        assert re.search(r"^- \(3, \d+\)$", calls, re.MULTILINE)  # after the check of X.Y and headers
+        assert reads_version not in Path(f"{on_path}.calls").read_text()
+    elif case == "is-python3":
+        assert calls.count(reads_version) == 1 and not re.search(r"^- ", calls, re.MULTILINE)  # no check
+    else:
+        assert reads_version not in calls
+        assert reads_version in Path(f"{on_path}.calls").read_text()
+        assert (case == "other-x.y") == bool(re.search(r"^- \(3, 99\)$", calls, re.MULTILINE))

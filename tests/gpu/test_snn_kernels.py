@@ -36,6 +36,7 @@ def test_the_triton_kernels_train_as_the_plain_loop_on_them_does(snn: dict[str, 
     model = chunkable_snn(T, batch_norm=False, elementwise_dropout="time_chunk" not in snn)
     functional.set_step_mode(model, "m")
     plain = copy.deepcopy(model).cuda()
+    start = copy.deepcopy(plain.state_dict())
     optimizer = torch.optim.SGD(plain.parameters(), lr=0.5)
     engine = engine_for(model, **snn)
     try:
@@ -52,6 +53,7 @@ def test_the_triton_kernels_train_as_the_plain_loop_on_them_does(snn: dict[str, 
             engine.step()
         for (name, mine), theirs in zip(model.state_dict().items(), plain.state_dict().values(), strict=True):
             torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, msg=name)
+        assert [name for name, value in plain.state_dict().items() if torch.equal(value, start[name])] == []
     finally:
         engine.close()
 

@@ -7,7 +7,6 @@ import contextlib
 import gc
 import os
 import signal
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch.distributed as dist
 
 from tests.cgroups import cpu_quota_group
 from tests.cluster.harness import NamespaceCluster
-from tests.ninja import NINJA_DIR
+from tests.ninja import EXTENSIONS_DIR, NINJA_DIR
 
 # A helper module of several test files: its asserts say what differed, as a test module's do.
 pytest.register_assert_rewrite("tests.fault.replicas")
@@ -37,9 +36,8 @@ _SET_BY_OTHERS = {
     "PYTORCH_NVML_BASED_CUDA_CHECK",  # DeepSpeed sets it when imported
 }
 
-# DeepSpeed's JIT-compiled CPU ops, built once by scripts/setup.sh inside the environment (by its real
-# path: the build files record the paths they were built from, and another path means a rebuild).
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.realpath(sys.prefix), "torch_extensions"))
+# DeepSpeed's JIT-compiled CPU ops, built once by scripts/setup.sh inside the environment (tests/ninja.py).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)
 # ...compiled by one ninja in every process the tests start (tests/ninja.py).
 os.environ["PATH"] = os.pathsep.join([NINJA_DIR, os.environ.get("PATH", "")])
 # DeepSpeed reads the accelerator at import: CPU, as on this kind of machine.

@@ -23,3 +23,14 @@ NINJA_DIR = os.path.join(
 os.makedirs(NINJA_DIR, exist_ok=True)
 with contextlib.suppress(FileExistsError):  # the suite's other pytest process made it first
     os.symlink(_ninja, os.path.join(NINJA_DIR, "ninja"))
+
+# DeepSpeed's ops, built once by scripts/setup.sh inside the environment by its real path. Their build
+# files record the sources' paths as the interpreter saw them, and another path means a rebuild over
+# that build: a run through a link to the environment (``.venv/bin/python -m pytest``) builds its own,
+# once, beside it, instead of twice each time it alternates with a run by the real path.
+EXTENSIONS_DIR = os.path.join(
+    os.path.realpath(sys.prefix),
+    "torch_extensions"
+    if sys.prefix == os.path.realpath(sys.prefix)
+    else "torch_extensions-" + hashlib.sha256(sys.prefix.encode()).hexdigest()[:8],
+)

@@ -11,6 +11,7 @@ import traceback
 
 from tests.matrix.cells import Cell, all_cells, sample
 from tests.matrix.runner import check, run_cell
+from tests.ninja import EXTENSIONS_DIR
 
 
 def main() -> int:
@@ -23,9 +24,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=random.SystemRandom().randrange(10**6))
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault(
-        "TORCH_EXTENSIONS_DIR", os.path.join(os.path.realpath(sys.prefix), "torch_extensions")
-    )
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)
     if args.list:
         for cell in all_cells():
             print(f"{cell.id:45} {('refuses: ' + cell.refusal) if cell.refusal else cell.tolerance.why}")

@@ -27,6 +27,13 @@ def start(*command: str, mark: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(command, start_new_session=True, env={**os.environ, "SAIL_SUITE_MARK": mark})
 
 
+def processes_listed(result: subprocess.CompletedProcess[str]) -> list[str]:
+    """The processes a leftovers check listed. Not its exit status: these tests share the machine's /dev/shm,
+    mounts and namespaces with the other lane's tests, whose live ones are listed as added too (the test of
+    those runs in a mount namespace of its own, below)."""
+    return [line for line in result.stdout.splitlines() if line.strip().startswith("process ")]
+
+
 def test_a_process_started_after_the_snapshot_and_left_running_fails_the_run(tmp_path: Path) -> None:
     before, mark = tmp_path / "before.json", secrets.token_hex(8)
     assert check("snapshot", before, mark=mark).returncode == 0
@@ -42,8 +49,7 @@ def test_a_process_started_after_the_snapshot_and_left_running_fails_the_run(tmp
             process.kill()
             process.wait()
     result = check("leftovers", before, mark=mark)  # the checker's ancestors are not leftovers
-    assert result.returncode == 0, result.stdout
-    assert "no process, network namespace, mount or shared memory left behind" in result.stdout
+    assert processes_listed(result) == [], result.stdout
 
 
 def test_a_process_that_ends_within_the_grace_is_not_a_leftover(tmp_path: Path) -> None:
@@ -51,7 +57,7 @@ def test_a_process_that_ends_within_the_grace_is_not_a_leftover(tmp_path: Path) 
     check("snapshot", before, mark=mark)
     ending = start("sleep", "2", mark=mark)  # a job still being stopped as the suite ends
     try:
-        assert check("leftovers", before, mark=mark, grace="15").returncode == 0
+        assert processes_listed(check("leftovers", before, mark=mark, grace="15")) == []
     finally:
         ending.wait()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.util
 import os
 import signal
 import tempfile
@@ -18,6 +19,22 @@ import torch.distributed as dist
 from tests.cgroups import cpu_quota_group
 from tests.cluster.harness import NamespaceCluster
 from tests.ninja import EXTENSIONS_DIR, NINJA_DIR
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The environment is shared by the checkouts on this machine and scripts/setup.sh installs the one it
+    runs in (editable): after another checkout's setup.sh, this one's tests, and every process they start,
+    would import that checkout's code. Refused instead."""
+    source = Path(__file__).resolve().parents[1] / "src"
+    found = importlib.util.find_spec("spikingsail")
+    if found is None or found.origin is None or not Path(found.origin).resolve().is_relative_to(source):
+        pytest.exit(
+            f"tests: `import spikingsail` finds {found.origin if found else 'nothing'}, not this checkout's "
+            f"{source} (the environment is shared by the checkouts on this machine, and scripts/setup.sh "
+            f"installs the one it ran in): run `bash scripts/setup.sh` here, or set PYTHONPATH={source}",
+            returncode=4,
+        )
+
 
 # A helper module of several test files: its asserts say what differed, as a test module's do.
 pytest.register_assert_rewrite("tests.fault.replicas")

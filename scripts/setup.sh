@@ -17,7 +17,8 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache=${SPIKINGSAIL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/spikingsail}
 # The interpreter: $PYTHON; else the distribution's /usr/bin/python3 where it is the same Python X.Y
-# as python3 on PATH and has its headers (Horovod and DeepSpeed's ops compile against them); else
+# as python3 on PATH and has its headers (Horovod and DeepSpeed's ops compile against them) and pip
+# (which installs uv: Debian ships pip, venv and the headers in packages of their own); else
 # python3 on PATH. Distributions build CPython with profile-guided and link-time optimisation, and a
 # CPython built from source with the defaults (pyenv's, asdf's) has neither, so everything runs
 # slower on it: on a 2-core CI machine `import torch` took 2.7-2.8 CPU-s against 3.2-4.0
@@ -26,9 +27,10 @@ python=${PYTHON:-python3}
 distribution_python=${SAIL_DISTRIBUTION_PYTHON:-/usr/bin/python3}  # another path only in tests/tooling
 if [ -z "${PYTHON:-}" ] && [ -x "$distribution_python" ] && [ "$(command -v python3 || true)" != "$distribution_python" ] &&
   "$distribution_python" - "$(python3 -c 'import sys; print(sys.version_info[:2])' 2>/dev/null || true)" 2>/dev/null <<'EOF'
-import os, sys, sysconfig
+import importlib.util, os, sys, sysconfig
 headers = os.path.join(sysconfig.get_paths()["include"], "Python.h")
-sys.exit(0 if str(sys.version_info[:2]) == sys.argv[1] and os.path.exists(headers) else 1)
+found = str(sys.version_info[:2]) == sys.argv[1] and os.path.exists(headers) and importlib.util.find_spec("pip")
+sys.exit(0 if found else 1)
 EOF
 then
   python=$distribution_python

@@ -36,7 +36,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.utils._pytree import tree_leaves
 
 from spikingsail.errors import ConfigError
-from spikingsail.precision.exact import float32_exact
+from spikingsail.snn.float32 import float32_exact
 
 Slots = list[tuple[Any, str]]  # (MemoryModule, memory name), as TimeChunking lists them
 Site = tuple[str, str]  # (the module's name, the name of the module whose forward called it)

@@ -1,4 +1,4 @@
-"""float32_exact (the time chunks' check runs under it): full float32 inside, the user's settings after.
+"""snn.float32.float32_exact (the time chunks' check runs under it): full float32 inside, the user's settings after.
 
 TF32 settings are per process and torch's legacy readers raise once a process has used the new
 per-operator settings, so each case runs in a forked process of its own (run_ranks with one rank).
@@ -45,8 +45,8 @@ def _case(how: str) -> dict[str, Any]:
     from spikingjelly.activation_based import functional
 
     from spikingsail.config.schema import SNNConfig
-    from spikingsail.precision.exact import float32_exact
     from spikingsail.snn.chunking import time_chunked
+    from spikingsail.snn.float32 import float32_exact
     from tests.snn.models import chunkable_snn
 
     _set_by_user(how)

@@ -69,7 +69,7 @@ EOF
 install_uv() {  # the pinned uv into $uv_home, once per machine: by the system python's pip, else a venv's
   rm -rf "$uv_home"
   if "$python" -m pip --version >/dev/null 2>&1 &&
-    PIP_ROOT_USER_ACTION=ignore "$python" -m pip install --quiet --target "$uv_home" "$uv_pin"; then
+    PIP_ROOT_USER_ACTION=ignore "$python" -m pip install -qq --target "$uv_home" "$uv_pin"; then  # -qq: errors only
     return
   fi
   rm -rf "$uv_home"

@@ -14,9 +14,10 @@ import os
 import shutil
 import sys
 
-_ninja = shutil.which("ninja") or os.path.join(os.path.realpath(sys.prefix), "bin", "ninja")
+_prefix = os.path.realpath(sys.prefix)
+_ninja = shutil.which("ninja") or os.path.join(_prefix, "bin", "ninja")
 NINJA_DIR = os.path.join(
-    os.path.realpath(sys.prefix),
+    _prefix,
     "torch_extensions",
     "ninja-" + hashlib.sha256(_ninja.encode()).hexdigest()[:8],
 )
@@ -29,8 +30,8 @@ with contextlib.suppress(FileExistsError):  # the suite's other pytest process m
 # that build: a run through a link to the environment (``.venv/bin/python -m pytest``) builds its own,
 # once, beside it, instead of twice each time it alternates with a run by the real path.
 EXTENSIONS_DIR = os.path.join(
-    os.path.realpath(sys.prefix),
+    _prefix,
     "torch_extensions"
-    if sys.prefix == os.path.realpath(sys.prefix)
+    if sys.prefix == _prefix
     else "torch_extensions-" + hashlib.sha256(sys.prefix.encode()).hexdigest()[:8],
 )

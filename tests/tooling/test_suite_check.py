@@ -75,6 +75,7 @@ mount --make-rprivate /
 mkdir -p /run/netns && mount -t tmpfs sail-netns /run/netns
 mount -t tmpfs sail-shm /dev/shm && touch /dev/shm/there-before
 {" ".join(CHECK)} snapshot {tmp_path}/before.json
+{" ".join(CHECK)} leftovers {tmp_path}/before.json > {tmp_path}/clean.txt
 mount -t tmpfs sail-left {point}
 ip netns add sail-left-behind
 touch /dev/shm/sail-left-behind
@@ -88,6 +89,9 @@ touch /dev/shm/sail-left-behind
     assert "network namespace sail-left-behind" in result.stdout
     assert "shared memory /dev/shm/sail-left-behind" in result.stdout
     assert "there-before" not in result.stdout
+    # before anything was left, in the same namespace (the suite's other lane cannot add to it): a pass
+    clean = (tmp_path / "clean.txt").read_text()
+    assert clean == "suite: no process, network namespace, mount or shared memory left behind\n", clean
 
 
 def test_the_slowest_tests_are_listed_from_every_runs_report(tmp_path: Path) -> None:
